@@ -1,0 +1,55 @@
+"""The offloader plug point: moves the bytes of one storage out of device memory and back."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Offloader"]
+
+
+@runtime_checkable
+class Offloader(Protocol):
+    """Moves the bytes of one activation storage out of device memory and back.
+
+    The tensor cache decides *what* and *when*; an offloader only moves bytes. The cache calls
+    ``store`` on its store threads and ``load`` on its load threads (several may run at once, so
+    implementations must be thread-safe), always with the cache's transfer stream current on
+    CUDA and after the data's producer has finished. Both calls are blocking: when they return,
+    the bytes are where they should be (the offloader synchronises its own copies). Errors are
+    raised as exceptions (``tba.OffloadIOError`` for I/O); the cache re-raises them on the
+    training thread or, with ``on_io_error="keep"``, keeps the tensor in memory.
+
+    Example:
+        >>> class Mine:
+        ...     name = "mine"
+        ...     def store(self, src): return src.clone()
+        ...     def load(self, token, dst): dst.copy_(token)
+        ...     def release(self, token): pass
+        ...     def reserve(self, num_bytes): pass
+        ...     def close(self): pass
+        >>> cache = tba.configure_tensor_cache(model, offloader=Mine())  # doctest: +SKIP
+    """
+
+    name: str
+
+    def store(self, src: torch.Tensor) -> Any:
+        """Copy every byte of ``src`` (1-D, contiguous, ``torch.uint8``) out; return a token."""
+        ...
+
+    def load(self, token: Any, dst: torch.Tensor) -> None:
+        """Fill ``dst`` (1-D, contiguous ``torch.uint8``, same size as stored) from ``token``."""
+        ...
+
+    def release(self, token: Any) -> None:
+        """Give back the space held by ``token``; it is never loaded again."""
+        ...
+
+    def reserve(self, num_bytes: int) -> None:
+        """Hint from the profiled step: about ``num_bytes`` will be held at once. May do nothing."""
+        ...
+
+    def close(self) -> None:
+        """Release every resource (memory, files, threads). Idempotent."""
+        ...
