@@ -1,0 +1,46 @@
+"""Shared fixtures: the ``device`` parametrisation and the GPU-skip policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tba import _env
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _devices() -> list:
+    params = [pytest.param("cpu", id="cpu")]
+    params.append(pytest.param("cuda", id="cuda", marks=pytest.mark.gpu))
+    return params
+
+
+@pytest.fixture(params=_devices())
+def device(request) -> str:
+    """Runs a test body once on CPU and once on CUDA (skipped, or failed under
+    ``TBA_REQUIRE_GPU=1``, when no GPU is present)."""
+    if request.param == "cuda":
+        require_cuda()
+    return request.param
+
+
+def require_cuda() -> None:
+    """Skip the calling test without CUDA; fail instead when ``TBA_REQUIRE_GPU=1``."""
+    if not _cuda_available():
+        if _env.require_gpu():
+            pytest.fail("TBA_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
+        pytest.skip("needs a CUDA device")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and "device" not in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.usefixtures("_gpu_required"))
+
+
+@pytest.fixture
+def _gpu_required() -> None:
+    require_cuda()
