@@ -1,0 +1,94 @@
+"""tba: offload PyTorch training activations to NVMe SSD or host memory.
+
+Example:
+    >>> import tba
+    >>> cache = tba.configure_tensor_cache(model, offloader="host")  # doctest: +SKIP
+    >>> loss = model(batch).loss; loss.backward(); print(cache.stats())  # doctest: +SKIP
+    >>> cache.close()  # doctest: +SKIP
+
+Importing tba initialises no CUDA, loads no native library and installs no hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from tba.cache.stats import CacheStats
+from tba.cache.tensor_cache import TensorCache
+from tba.config import TensorCacheConfig
+from tba.errors import OffloadIOError, TBAError
+
+__all__ = [
+    "configure_tensor_cache",
+    "TensorCache",
+    "TensorCacheConfig",
+    "CacheStats",
+    "TBAError",
+    "OffloadIOError",
+]
+
+__version__ = "0.1.0"
+
+
+def configure_tensor_cache(model: nn.Module, **options: Any) -> TensorCache:
+    """Offload the activations ``model`` saves for backward; returns the cache.
+
+    The cache hooks ``model`` (forward hooks, and ``saved_tensors_hooks`` around each of its
+    forwards): nothing else in the training script changes. Results are bit-identical to
+    training without it.
+
+    Args:
+        model: the module whose forward saves the activations (the whole model, or one
+            pipeline stage).
+        **options: fields of :class:`TensorCacheConfig`.
+
+    Returns:
+        The :class:`TensorCache`; ``close()`` it (or use it as a context manager) to remove
+        every hook.
+
+    Raises:
+        ValueError: an unknown or invalid option (every problem is listed), or ``model``
+            already has a cache.
+
+    Example:
+        >>> cache = tba.configure_tensor_cache(model, offloader="host", offload_devices=("cuda",))
+        >>> for batch in loader:
+        ...     model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
+        >>> print(cache.stats())
+    """
+    from tba.integrations import registry
+    from tba.offloaders import make_offloader
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"configure_tensor_cache expects a torch.nn.Module, got {type(model).__name__}")
+    fields = {f.name for f in dataclasses.fields(TensorCacheConfig)}
+    unknown = sorted(set(options) - fields)
+    problems = [
+        f"{name}: unknown option; accepted options are {', '.join(sorted(fields))}" for name in unknown
+    ]
+    try:
+        config = TensorCacheConfig(**{k: v for k, v in options.items() if k in fields})
+    except ValueError as exc:
+        problems.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
+    if problems:
+        raise ValueError(
+            "invalid tba.configure_tensor_cache options:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    if registry.lookup(model) is not None and any(m is model for m, _ in registry.registered()):
+        raise ValueError(
+            f"{type(model).__name__} already has a tba.TensorCache; close() it before "
+            "configuring another"
+        )
+    offloader = make_offloader(config, rank=_rank())
+    cache = TensorCache(model, config, offloader)
+    registry.register(cache, model)
+    return cache
+
+
+def _rank() -> int | None:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None

@@ -1,0 +1,40 @@
+"""Every private torch internal tba relies on, in one place.
+
+Checked against torch 2.4 through 2.13 (CPU and CUDA builds). If a torch release changes one
+of these, this module is the only place to mend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["in_backward", "storage_bytes", "view_on_storage", "STAMP_ATTR"]
+
+# Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
+# storage lives (PyObject preservation, torch >= 2.0), so an attribute set on
+# `t.untyped_storage()` is seen through every view of that storage and disappears with it.
+# That gives storages a collision-free identity: a raw data pointer or `id()` is reused once
+# the storage dies (TBA_NOTES section 4, bugs 1 and 2). Tested in tests/cache/test_ids.py.
+STAMP_ATTR = "_tba_stamp"
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (e.g. while
+    activation checkpointing recomputes a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A 1-D ``uint8`` tensor over every byte of ``storage`` (shares memory)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def view_on_storage(
+    storage: torch.UntypedStorage,
+    dtype: torch.dtype,
+    size: torch.Size,
+    stride: tuple[int, ...],
+    offset: int,
+) -> torch.Tensor:
+    """A tensor of ``dtype`` viewing ``storage`` with the given geometry (no copy)."""
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)

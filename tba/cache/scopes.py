@@ -1,0 +1,132 @@
+"""Which modules are the cache's units (blocks and the modules around them), and scope records.
+
+A *unit* is a module whose forward call opens a scope: every tensor saved while it runs belongs
+to that scope. Units are the model's repeated blocks (children of its largest
+``nn.ModuleList``, or ``block_modules``) plus the outermost modules that are neither blocks nor
+contain one (embeddings, final norm, LM head). A forward pass of the root module is a *record*:
+its scopes in forward order, which backward walks in reverse to prefetch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from tba.cache.entries import Entry
+
+__all__ = ["Unit", "find_units", "matches", "Scope", "Record"]
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    """A module that opens scopes. ``block_index`` is its position among the blocks, or None."""
+
+    module: nn.Module
+    name: str
+    block_index: int | None
+
+
+def matches(module: nn.Module, name: str, specs: tuple) -> bool:
+    """Whether ``module`` (qualified ``name``) is named by ``specs``: instances, types, or
+    ``fnmatch`` patterns of qualified names."""
+    for spec in specs:
+        if isinstance(spec, str):
+            if fnmatch.fnmatchcase(name, spec):
+                return True
+        elif isinstance(spec, type):
+            if isinstance(module, spec):
+                return True
+        elif spec is module:
+            return True
+    return False
+
+
+def _largest_module_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    best: tuple[int, int, str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            num_params = sum(p.numel() for p in module.parameters())
+            key = (num_params, len(module), name, module)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    if best is None:
+        return []
+    prefix = best[2] + "." if best[2] else ""
+    return [(f"{prefix}{i}", child) for i, child in enumerate(best[3])]
+
+
+def find_units(model: nn.Module, block_specs: tuple | None) -> list[Unit]:
+    """The units of ``model``: blocks first (in order), then the modules around them.
+
+    Raises:
+        ValueError: ``block_specs`` names no module of ``model``.
+    """
+    if block_specs is None:
+        blocks = _largest_module_list(model)
+    else:
+        blocks = [(n, m) for n, m in model.named_modules() if n and matches(m, n, block_specs)]
+        # Blocks nested in other blocks are not units of their own.
+        top: list[tuple[str, nn.Module]] = []
+        for name, module in blocks:
+            if not any(name.startswith(outer + ".") for outer, _ in top):
+                top.append((name, module))
+        blocks = top
+        if not blocks:
+            raise ValueError(
+                f"block_modules={block_specs!r} matches no submodule of {type(model).__name__}; "
+                "pass module instances, module types, or qualified-name patterns such as "
+                "'transformer.h.*' (see model.named_modules())"
+            )
+    units = [Unit(module, name, index) for index, (name, module) in enumerate(blocks)]
+    block_names = [name for name, _ in blocks]
+
+    def contains_block(name: str) -> bool:
+        prefix = name + "." if name else ""
+        return any(b.startswith(prefix) for b in block_names)
+
+    def visit(module: nn.Module, name: str) -> None:
+        for child_name, child in module.named_children():
+            qual = f"{name}.{child_name}" if name else child_name
+            if qual in block_names:
+                continue
+            if contains_block(qual):
+                visit(child, qual)
+            else:
+                units.append(Unit(child, qual, None))
+
+    if blocks:
+        visit(model, "")
+    else:
+        units.extend(Unit(child, name, None) for name, child in model.named_children())
+    return units
+
+
+class Scope:
+    """One call of a unit in one forward pass: the entries it saved, in order."""
+
+    __slots__ = ("record", "index", "unit", "keep", "entries", "backward_entered")
+
+    def __init__(self, record: Record, index: int, unit: Unit | None, keep: bool) -> None:
+        self.record = record
+        self.index = index
+        self.unit = unit
+        self.keep = keep
+        self.entries: list[Entry] = []
+        self.backward_entered = False
+
+
+class Record:
+    """One forward pass (one microbatch of one stage): its scopes in forward order."""
+
+    __slots__ = ("key", "scopes", "keep_tail", "in_tail", "backward_started")
+
+    def __init__(self, key: tuple[int, int], keep_tail: bool) -> None:
+        self.key = key
+        self.scopes: list[Scope] = []
+        self.keep_tail = keep_tail  # whether the last blocks stay in memory for this pass
+        self.in_tail = False  # forward has reached the kept tail
+        self.backward_started = False

@@ -1,0 +1,69 @@
+"""`CacheStats`: what the cache did in one step (or in total)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CacheStats"]
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """Counters of one completed step (``TensorCache.stats()``) or of every step so far
+    (``TensorCache.stats(cumulative=True)``).
+
+    A step runs from a forward of the model until every activation it saved was released by
+    backward (with pipeline hints: from the first forward to the last backward of the batch).
+
+    Attributes:
+        num_steps: steps these counters cover.
+        num_packed: tensors autograd handed to the cache.
+        num_deduplicated: packs that hit a storage already held (no second write).
+        num_offloaded: storages written to the offloader.
+        offloaded_bytes: bytes written to the offloader.
+        reloaded_bytes: bytes read back from the offloader.
+        num_forwarded: unpacks served from memory with no read (kept, or write still in flight).
+        num_sync_loads: unpacks that had to start their own load (prefetch missed them).
+        num_cancelled: queued stores cancelled because the tensor was needed or died first.
+        kept_bytes: bytes of managed storages kept in memory (tail, small, skipped, adaptive).
+        peak_resident_bytes: exact bytes of saved activations the cache held in device memory
+            at the step's peak.
+        stall_s: time backward waited for loads.
+        store_wait_s: time forward waited for in-flight stores (``max_inflight_bytes``).
+        write_bytes_per_s: offloaded bytes over the time stores took (completed stores only).
+        read_bytes_per_s: reloaded bytes over the time loads took.
+        num_io_errors: stores or loads that failed (with ``on_io_error="keep"``, kept instead).
+    """
+
+    num_steps: int = 0
+    num_packed: int = 0
+    num_deduplicated: int = 0
+    num_offloaded: int = 0
+    offloaded_bytes: int = 0
+    reloaded_bytes: int = 0
+    num_forwarded: int = 0
+    num_sync_loads: int = 0
+    num_cancelled: int = 0
+    kept_bytes: int = 0
+    peak_resident_bytes: int = 0
+    stall_s: float = 0.0
+    store_wait_s: float = 0.0
+    write_bytes_per_s: float = 0.0
+    read_bytes_per_s: float = 0.0
+    num_io_errors: int = 0
+    # Busy time of completed transfers, the denominators of the two rates above.
+    write_s: float = 0.0
+    read_s: float = 0.0
+
+    def merged(self, other: CacheStats) -> CacheStats:
+        """Totals of two stats (peaks take the maximum, rates are recomputed)."""
+        out = CacheStats()
+        for field in dataclasses.fields(CacheStats):
+            a, b = getattr(self, field.name), getattr(other, field.name)
+            setattr(out, field.name, max(a, b) if field.name == "peak_resident_bytes" else a + b)
+        out.finish_rates()
+        return out
+
+    def finish_rates(self) -> None:
+        self.write_bytes_per_s = self.offloaded_bytes / self.write_s if self.write_s > 0 else 0.0
+        self.read_bytes_per_s = self.reloaded_bytes / self.read_s if self.read_s > 0 else 0.0

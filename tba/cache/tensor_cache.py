@@ -1,0 +1,445 @@
+"""`TensorCache`: the saved-tensor hooks, module hooks, dedup and step tracking."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from tba import _torch_compat as compat
+from tba.cache.entries import Entry, Handle
+from tba.cache.policy import Boundary
+from tba.cache.scopes import Record, Scope, Unit, find_units, matches
+from tba.cache.stats import CacheStats
+from tba.cache.streams import DeviceStreams, StreamLayer
+from tba.cache.transfers import Transfers
+from tba.config import TensorCacheConfig
+from tba.errors import TBAError
+from tba.offloaders.base import Offloader
+
+__all__ = ["TensorCache", "StageHint"]
+
+logger = logging.getLogger(__name__)
+
+_STAMPS = itertools.count(1)  # Note [Storage stamps]
+_BACKWARD_ACTIONS = ("backward", "input_grad", "weight_grad")
+_ACTIONS = ("forward",) + _BACKWARD_ACTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class StageHint:
+    """What a pipeline scheduler said runs now and next (see ``TensorCache.set_stage``)."""
+
+    stage: int
+    microbatch: int | None
+    action: str
+    next_stage: int | None = None
+    next_microbatch: int | None = None
+    next_action: str | None = None
+
+
+class TensorCache:
+    """Offloads the activations a model saves for backward and brings them back in time.
+
+    Made by :func:`tba.configure_tensor_cache`; see there for an example. The cache enters
+    ``saved_tensors_hooks`` around each forward of the model itself and finds step boundaries
+    itself; errors from its I/O threads are raised on the training thread.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TensorCacheConfig,
+        offloader: Offloader | None,
+        *,
+        streams: StreamLayer | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.offloader = offloader
+        self._devices = frozenset(config.offload_devices)
+        self._transfers = Transfers(
+            offloader,
+            streams if streams is not None else DeviceStreams(),
+            num_store_threads=config.num_store_threads,
+            num_load_threads=config.num_load_threads,
+            max_inflight_bytes=config.max_inflight_bytes,
+            on_io_error=config.on_io_error,
+        )
+        self._lock = self._transfers.lock
+        self.units: list[Unit] = find_units(model, config.block_modules)
+        self.num_blocks = sum(u.block_index is not None for u in self.units)
+        if self.num_blocks == 0:
+            # No repeated blocks: the root's children take their place in forward order.
+            for index, unit in enumerate(self.units):
+                unit.block_index = index
+            self.num_blocks = len(self.units)
+        self.boundary = Boundary(self.num_blocks, config.keep_last_modules)
+        self._entries: dict[tuple[int, int], Entry] = {}
+        self._records: dict[tuple[int, int], Record] = {}
+        self._record: Record | None = None
+        self._auto_keys = itertools.count()
+        self._unit_stack: list[list[Any]] = []  # [unit, scope or None, keep]
+        self._root_scope: Scope | None = None
+        self._skip_depth = 0
+        self._depth = 0
+        self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._param_ptrs: frozenset[int] = frozenset()
+        self._grad_fn_hooks: list[Any] = []
+        self._hint: StageHint | None = None
+        self.stage_log: list[tuple[int, int | None, str]] = []
+        self._window_open = False
+        self._window_backward = False
+        self._last = CacheStats()
+        self._total = CacheStats()
+        self._reserved = False
+        self._closed = False
+        self._thread = threading.get_ident()
+        self._handles: list[Any] = []
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ public API
+    def stats(self, cumulative: bool = False) -> CacheStats:
+        """Counters of the last completed step, or totals over all steps with ``cumulative``."""
+        with self._lock:
+            return dataclasses.replace(self._total if cumulative else self._last)
+
+    def set_stage(
+        self,
+        *,
+        microbatch: int | None,
+        action: str,
+        stage: int = 0,
+        next_microbatch: int | None = None,
+        next_action: str | None = None,
+        next_stage: int | None = None,
+    ) -> None:
+        """Tell the cache what runs now and what comes next (called by pipeline integrations).
+
+        Args:
+            microbatch: index of the microbatch about to run.
+            action: ``"forward"``, ``"backward"``, ``"input_grad"`` or ``"weight_grad"``.
+            stage: pipeline stage index (several stages may share a rank).
+            next_microbatch, next_action, next_stage: the action that follows, if known.
+
+        A forward opens a record for (stage, microbatch); its last blocks stay in memory only
+        when its own backward comes next. A backward prefetches that record's tensors, last
+        blocks first; a known next backward is prefetched while the current action runs.
+        """
+        problems = [
+            f"{name}={value!r}: expected one of {_ACTIONS}"
+            for name, value in (("action", action), ("next_action", next_action))
+            if value is not None and value not in _ACTIONS
+        ]
+        if action is None or problems:
+            raise ValueError("TensorCache.set_stage: " + "; ".join(problems or ["action is required"]))
+        hint = StageHint(stage, microbatch, action, next_stage, next_microbatch, next_action)
+        with self._lock:
+            self._hint = hint
+            self.stage_log.append((stage, microbatch, action))
+            targets = []
+            if action in _BACKWARD_ACTIONS:
+                targets.append((stage, microbatch))
+            if next_action in _BACKWARD_ACTIONS:
+                targets.append((next_stage if next_stage is not None else stage, next_microbatch))
+            for key in targets:
+                record = self._records.get(key)  # type: ignore[arg-type]
+                if record is not None and record.scopes:
+                    self._prefetch_from(record.scopes[-1])
+
+    def close(self) -> None:
+        """Remove every hook tba installed and drop everything it holds. Idempotent.
+
+        Call it after the last backward: a graph built with the cache and not yet run
+        backward cannot reach offloaded tensors once the cache is closed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for handle in itertools.chain(self._handles, self._grad_fn_hooks):
+            handle.remove()
+        self._handles.clear()
+        self._grad_fn_hooks.clear()
+        if self._hooks_ctx is not None:
+            self._hooks_ctx.__exit__(None, None, None)
+            self._hooks_ctx = None
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+            self._records.clear()
+            self._record = None
+        self._transfers.close(entries)
+        if self.offloader is not None:
+            self.offloader.close()
+        from tba.integrations import registry
+
+        registry.unregister(self)
+
+    def __enter__(self) -> TensorCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        name = self.offloader.name if self.offloader is not None else "none"
+        return (
+            f"TensorCache(model={type(self.model).__name__}, offloader={name!r}, "
+            f"blocks={self.num_blocks}, offloaded_blocks={self.boundary.tail_start}, closed={self._closed})"
+        )
+
+    # ------------------------------------------------------------------ module hooks
+    def _install_hooks(self) -> None:
+        add = self._handles.append
+        add(self.model.register_forward_pre_hook(self._root_pre))
+        add(self.model.register_forward_hook(self._root_post, always_call=True))
+        for unit in self.units:
+            add(unit.module.register_forward_pre_hook(functools.partial(self._unit_pre, unit)))
+            add(
+                unit.module.register_forward_hook(
+                    functools.partial(self._unit_post, unit), always_call=True
+                )
+            )
+        skip = self.config.skip_modules
+        for name, module in self.model.named_modules():
+            if name and matches(module, name, skip):
+                add(module.register_forward_pre_hook(self._skip_pre))
+                add(module.register_forward_hook(self._skip_post, always_call=True))
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if compat.in_backward() or not torch.is_grad_enabled():
+            return
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self._transfers.raise_pending()
+        self._param_ptrs = frozenset(
+            t.untyped_storage().data_ptr()
+            for t in itertools.chain(self.model.parameters(), self.model.buffers())
+        )
+        with self._lock:
+            self._begin_record()
+        self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks_ctx.__enter__()
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._hooks_ctx is None or compat.in_backward():
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        ctx, self._hooks_ctx = self._hooks_ctx, None
+        ctx.__exit__(None, None, None)
+        self._unit_stack.clear()
+        self._root_scope = None
+        self._skip_depth = 0
+
+    def _begin_record(self) -> None:
+        hint = self._hint
+        if not self._window_open:
+            self._window_open = True
+            self._window_backward = False
+        elif self._window_backward and all(
+            r.backward_started for r in self._records.values()
+        ):
+            # Backward ran for everything, yet some graph is still alive (retain_graph, or a
+            # graph kept by the user): the step is over all the same.
+            self._close_window()
+            self._window_open = True
+        if hint is not None and hint.action == "forward":
+            key = (hint.stage, hint.microbatch if hint.microbatch is not None else -1)
+            keep_tail = hint.next_action is None or (
+                hint.next_action in _BACKWARD_ACTIONS and hint.next_microbatch == hint.microbatch
+            )
+        else:
+            key, keep_tail = (-1, next(self._auto_keys)), True
+        self._record = self._records[key] = Record(key, keep_tail)
+
+    def _unit_pre(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if self._hooks_ctx is None or compat.in_backward():
+            return
+        record = self._record
+        assert record is not None
+        if (
+            record.keep_tail
+            and unit.block_index is not None
+            and unit.block_index >= self.boundary.tail_start
+        ):
+            record.in_tail = True  # this block and everything after it stay in memory
+        keep = record.in_tail or bool(self._unit_stack and self._unit_stack[-1][2])
+        self._unit_stack.append([unit, None, keep])
+        self._root_scope = None
+
+    def _unit_post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if self._hooks_ctx is None or compat.in_backward() or not self._unit_stack:
+            return
+        _, scope, _ = self._unit_stack.pop()
+        if scope is None or self._closed:
+            return
+        seen: set[int] = set()
+        for tensor in _tensors_in(output):
+            fn = tensor.grad_fn
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                hook = fn.register_prehook(functools.partial(self._backward_signal, scope))
+                self._grad_fn_hooks.append(hook)
+
+    def _skip_pre(self, module: nn.Module, args: Any) -> None:
+        if self._hooks_ctx is not None and not compat.in_backward():
+            self._skip_depth += 1
+
+    def _skip_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._hooks_ctx is not None and not compat.in_backward() and self._skip_depth:
+            self._skip_depth -= 1
+
+    def _current_scope(self) -> Scope:
+        record = self._record
+        assert record is not None
+        if self._unit_stack:
+            top = self._unit_stack[-1]
+            if top[1] is None:
+                top[1] = Scope(record, len(record.scopes), top[0], top[2])
+                record.scopes.append(top[1])
+            return top[1]
+        if self._root_scope is None:
+            self._root_scope = Scope(record, len(record.scopes), None, record.in_tail)
+            record.scopes.append(self._root_scope)
+        return self._root_scope
+
+    # ------------------------------------------------------------------ saved-tensor hooks
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if self._transfers.error is not None:
+            self._transfers.raise_pending()
+        if (
+            tensor.device.type not in self._devices
+            or type(tensor) is not torch.Tensor
+            or tensor.layout is not torch.strided
+            or (tensor.requires_grad and tensor.is_leaf)
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
+            return tensor  # parameters, subclasses, non-strided tensors: autograd keeps them
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self._param_ptrs:
+            return tensor
+        stamp = getattr(storage, compat.STAMP_ATTR, None)
+        if stamp is None:
+            stamp = next(_STAMPS)
+            setattr(storage, compat.STAMP_ATTR, stamp)
+        key = (stamp, tensor._version)
+        scope = self._current_scope()
+        transfers = self._transfers
+        with self._lock:
+            transfers.step.num_packed += 1
+            entry = self._entries.get(key)
+            if entry is None:
+                data = compat.storage_bytes(storage)
+                offload = (
+                    transfers.offloader is not None
+                    and not scope.keep
+                    and self._skip_depth == 0
+                    and data.numel() >= self.config.min_offload_bytes
+                )
+                entry = self._entries[key] = Entry(key, data, offload)
+                if offload:
+                    entry.event = transfers.streams.producer_event(tensor.device)
+                transfers.add(entry)
+            else:
+                transfers.step.num_deduplicated += 1
+                if scope.keep and entry.offload:
+                    transfers.keep(entry, compat.storage_bytes(storage))
+            entry.refs += 1
+            if not scope.entries or scope.entries[-1] is not entry:
+                scope.entries.append(entry)
+        return Handle(self, entry, tensor, scope)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, Handle):
+            return packed
+        if self._transfers.error is not None:
+            self._transfers.raise_pending()
+        if self._closed:
+            raise TBAError(
+                "tba: backward reached an activation after TensorCache.close(); "
+                "close the cache only after the last backward"
+            )
+        scope = packed.scope
+        if not scope.backward_entered:
+            self._backward_signal(scope)
+        data, event = self._transfers.fetch(packed.entry)
+        tensor = compat.view_on_storage(
+            data.untyped_storage(), packed.dtype, packed.size, packed.stride, packed.offset
+        )
+        if event is not None:
+            self._transfers.streams.consume(event, tensor)
+        return tensor
+
+    # ------------------------------------------------------------------ backward and steps
+    def _backward_signal(self, scope: Scope, *unused: Any) -> None:
+        if self._closed or scope.backward_entered:
+            return
+        with self._lock:
+            scope.backward_entered = True
+            scope.record.backward_started = True
+            self._window_backward = True
+            self._prefetch_from(scope)
+
+    def _prefetch_from(self, scope: Scope) -> None:
+        """Load ``scope``'s tensors and those of the ``prefetch_modules`` offloaded scopes
+        before it (the order backward will need them)."""
+        budget = self.config.prefetch_modules
+        scopes = scope.record.scopes
+        for index in range(scope.index, -1, -1):
+            current = scopes[index]
+            if index != scope.index:
+                if current.keep:
+                    continue
+                if budget == 0:
+                    break
+                budget -= 1
+            for entry in current.entries:
+                self._transfers.prefetch(entry)
+
+    def _release(self, entry: Entry) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            entry.refs -= 1
+            if entry.refs:
+                return
+            if self._entries.get(entry.key) is entry:
+                del self._entries[entry.key]
+            self._transfers.drop(entry)
+            if not self._entries and self._window_open and self._window_backward:
+                self._close_window()
+
+    def _close_window(self) -> None:
+        step = self._transfers.take_step()
+        self._window_open = False
+        self._window_backward = False
+        self._records.clear()
+        self._last = step
+        self._total = self._total.merged(step)
+        if not self._reserved and self.offloader is not None and self._transfers.peak_held_bytes:
+            self._reserved = True
+            self.offloader.reserve(self._transfers.peak_held_bytes)
+        logger.debug("tba step finished: %s", step)
+
+
+def _tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif depth < 3 and isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 3 and isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors_in(item, depth + 1)

@@ -1,0 +1,359 @@
+"""`Transfers`: the entry state machine, the store and load workers, and their accounting.
+
+Stores and loads run on separate worker pools, FIFO each; a store worker waits while loads are
+queued (loads first: backward is waiting for them). Every transition happens under one lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from tba.cache.entries import Entry, State
+from tba.cache.stats import CacheStats
+from tba.cache.streams import StreamLayer
+from tba.errors import OffloadIOError
+from tba.offloaders.base import Offloader
+
+__all__ = ["Transfers"]
+
+logger = logging.getLogger(__name__)
+
+_HOLDS_DATA = (State.KEPT, State.QUEUED, State.STORING, State.READY)
+
+
+class Transfers:
+    """Moves entries between memory and an offloader and keeps the step's counters.
+
+    Args:
+        offloader: where bytes go; None keeps everything (the "none" baseline).
+        streams: ordering primitives (see Note [Transfer ordering]).
+        num_store_threads, num_load_threads: worker pool sizes.
+        max_inflight_bytes: bound on bytes of queued and running stores.
+        on_io_error: "raise" or "keep".
+    """
+
+    def __init__(
+        self,
+        offloader: Offloader | None,
+        streams: StreamLayer,
+        *,
+        num_store_threads: int,
+        num_load_threads: int,
+        max_inflight_bytes: int,
+        on_io_error: str,
+    ) -> None:
+        self.offloader = offloader
+        self.streams = streams
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self._num_threads = {"store": num_store_threads, "load": num_load_threads}
+        self._max_inflight_bytes = max_inflight_bytes
+        self._keep_on_error = on_io_error == "keep"
+        self._store_q: collections.deque[Entry] = collections.deque()
+        self._load_q: collections.deque[Entry] = collections.deque()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._warned_keep = False
+        self.error: BaseException | None = None
+        self.inflight_bytes = 0
+        self.resident_bytes = 0
+        self.held_bytes = 0  # bytes the offloader holds now
+        self.peak_held_bytes = 0
+        self.step = CacheStats()
+
+    # ----------------------------------------------------------------- training thread side
+    def add(self, entry: Entry) -> None:
+        """A new entry holding data; queue its store if it is to be offloaded."""
+        with self.cond:
+            self.resident_bytes += entry.nbytes
+            if entry.offload and self.offloader is not None:
+                self._wait_for_room(entry.nbytes)
+                entry.state = State.QUEUED
+                self.inflight_bytes += entry.nbytes
+                self._store_q.append(entry)
+                self._start_workers()
+                self.cond.notify_all()
+            else:
+                self.step.kept_bytes += entry.nbytes
+            self._note_peak()
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        if self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= self._max_inflight_bytes:
+            return
+        start = time.perf_counter()
+        while (
+            self.inflight_bytes > 0
+            and self.inflight_bytes + nbytes > self._max_inflight_bytes
+            and self.error is None
+        ):
+            self.cond.wait(0.1)
+        self.step.store_wait_s += time.perf_counter() - start
+        self.raise_pending()
+
+    def keep(self, entry: Entry, data: torch.Tensor) -> None:
+        """Backward will want ``entry`` soon and ``data`` is its storage: keep it in memory."""
+        with self.cond:
+            if entry.state is State.QUEUED:
+                self._cancel_store(entry)
+            elif entry.state is State.STORING:
+                entry.wanted = True
+            elif entry.state is State.STORED:
+                entry.data = data
+                entry.state = State.READY
+                self.resident_bytes += entry.nbytes
+                self._note_peak()
+
+    def prefetch(self, entry: Entry) -> None:
+        """Start loading ``entry`` if it is offloaded; keep it if its store has not finished."""
+        with self.cond:
+            if entry.state is State.STORED:
+                self._queue_load(entry)
+            elif entry.state is State.QUEUED:
+                self._cancel_store(entry)
+            elif entry.state is State.STORING:
+                entry.wanted = True
+
+    def fetch(self, entry: Entry) -> tuple[torch.Tensor, Any]:
+        """The storage bytes of ``entry`` for unpack, waiting for (or starting) its load.
+
+        Returns the 1-D uint8 data and the load event to consume (None if it was not read).
+        """
+        with self.cond:
+            state = entry.state
+            if state in _HOLDS_DATA:
+                if state is State.QUEUED:
+                    self._cancel_store(entry)
+                elif state is State.STORING:
+                    entry.wanted = True
+                if entry.load_done is None:  # never read back: served from memory
+                    self.step.num_forwarded += 1
+                assert entry.data is not None
+                return entry.data, entry.load_event
+            if state is State.STORED:
+                self.step.num_sync_loads += 1
+                self._queue_load(entry)
+            elif state is State.DROPPED:
+                raise AssertionError("tba bug: unpack of a dropped entry")
+            done = entry.load_done
+        assert done is not None
+        start = time.perf_counter()
+        done.wait()
+        with self.cond:
+            self.step.stall_s += time.perf_counter() - start
+            if entry.error is not None:
+                error, entry.error = entry.error, None
+                raise error
+            assert entry.data is not None, "tba bug: load finished without data"
+            return entry.data, entry.load_event
+
+    def drop(self, entry: Entry) -> None:
+        """Every handle of ``entry`` died: give back its memory, queue slot or offloader space."""
+        token = None
+        with self.cond:
+            state = entry.state
+            entry.state = State.DROPPED
+            if state in _HOLDS_DATA:
+                self.resident_bytes -= entry.nbytes
+            entry.data = None
+            if state is State.QUEUED:
+                self.step.num_cancelled += 1
+                self.inflight_bytes -= entry.nbytes
+                self.cond.notify_all()
+            elif state in (State.STORED, State.READY):
+                token, entry.token = entry.token, None
+                self.held_bytes -= entry.nbytes
+            # STORING and LOADING: the worker gives the token back when it finishes.
+        if token is not None and self.offloader is not None:
+            self.offloader.release(token)
+
+    def raise_pending(self) -> None:
+        """Raise a store error from a worker on the calling (training) thread, once."""
+        if self.error is not None:
+            with self.cond:
+                error, self.error = self.error, None
+            if error is not None:
+                raise error
+
+    def take_step(self) -> CacheStats:
+        """The counters since the last call (one step), and start new ones."""
+        with self.cond:
+            step, self.step = self.step, CacheStats()
+            self.step.peak_resident_bytes = self.resident_bytes
+        step.num_steps = 1
+        step.finish_rates()
+        return step
+
+    # ----------------------------------------------------------------- internals (lock held)
+    def _note_peak(self) -> None:
+        if self.resident_bytes > self.step.peak_resident_bytes:
+            self.step.peak_resident_bytes = self.resident_bytes
+
+    def _cancel_store(self, entry: Entry) -> None:
+        entry.state = State.KEPT
+        self.inflight_bytes -= entry.nbytes
+        self.step.num_cancelled += 1
+        self.step.kept_bytes += entry.nbytes
+        self.cond.notify_all()
+
+    def _queue_load(self, entry: Entry) -> None:
+        entry.state = State.LOADING
+        entry.load_done = threading.Event()
+        self._load_q.append(entry)
+        self._start_workers()
+        self.cond.notify_all()
+
+    def _start_workers(self) -> None:
+        if self._threads:
+            return
+        for kind, target in (("store", self._store_worker), ("load", self._load_worker)):
+            for i in range(self._num_threads[kind]):
+                thread = threading.Thread(target=target, name=f"tba-{kind}-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _fail(self, entry: Entry, what: str, exc: BaseException) -> BaseException:
+        assert self.offloader is not None
+        self.step.num_io_errors += 1
+        if isinstance(exc, OffloadIOError):
+            return exc
+        error = OffloadIOError(
+            f"{what} of {entry.nbytes} bytes through the {self.offloader.name!r} offloader "
+            f"failed: {type(exc).__name__}: {exc}",
+            num_bytes=entry.nbytes,
+        )
+        error.__cause__ = exc
+        return error
+
+    # ----------------------------------------------------------------- workers
+    def _store_worker(self) -> None:
+        assert self.offloader is not None
+        while True:
+            with self.cond:
+                while not self._stopping and (not self._store_q or self._load_q):
+                    self.cond.wait()
+                if self._stopping:
+                    return
+                entry = self._store_q.popleft()
+                if entry.state is not State.QUEUED:
+                    continue  # cancelled while queued
+                entry.state = State.STORING
+                src, event = entry.data, entry.event
+            assert src is not None
+            start = time.perf_counter()
+            token, failure = None, None
+            try:
+                with self.streams.transfer(entry.device, "store", event):
+                    token = self.offloader.store(src)
+            except Exception as exc:  # re-raised on the training thread, never swallowed
+                failure = exc
+            elapsed = time.perf_counter() - start
+            del src
+            release = None
+            with self.cond:
+                self.inflight_bytes -= entry.nbytes
+                entry.event = None
+                if failure is not None:
+                    self._store_failed(entry, failure)
+                else:
+                    self.step.num_offloaded += 1
+                    self.step.offloaded_bytes += entry.nbytes
+                    self.step.write_s += elapsed
+                    self.held_bytes += entry.nbytes
+                    self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+                    if entry.state is State.DROPPED:
+                        release = token
+                        self.held_bytes -= entry.nbytes
+                    elif entry.wanted:
+                        entry.token, entry.state = token, State.READY
+                    else:
+                        entry.token, entry.state = token, State.STORED
+                        entry.data = None
+                        self.resident_bytes -= entry.nbytes
+                self.cond.notify_all()
+            if release is not None:
+                self.offloader.release(release)
+
+    def _store_failed(self, entry: Entry, exc: BaseException) -> None:
+        error = self._fail(entry, "store", exc)
+        if entry.state is not State.DROPPED:
+            entry.state = State.KEPT  # the bytes are still in memory: nothing is lost
+            self.step.kept_bytes += entry.nbytes
+        if self._keep_on_error:
+            if not self._warned_keep:
+                self._warned_keep = True
+                warnings.warn(
+                    f"tba: {error}; on_io_error='keep' keeps such tensors in memory "
+                    "(this warning is shown once)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            logger.debug("store failed, kept in memory: %s", error)
+        elif self.error is None:
+            self.error = error
+
+    def _load_worker(self) -> None:
+        assert self.offloader is not None
+        while True:
+            with self.cond:
+                while not self._stopping and not self._load_q:
+                    self.cond.wait()
+                if self._stopping:
+                    return
+                entry = self._load_q.popleft()
+                if entry.state is not State.LOADING:
+                    continue
+                token = entry.token
+            start = time.perf_counter()
+            dst, event, failure = None, None, None
+            try:
+                with self.streams.transfer(entry.device, "load", None):
+                    dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+                    self.offloader.load(token, dst)
+                    event = self.streams.loaded_event(entry.device)
+            except Exception as exc:  # re-raised on the training thread by fetch()
+                failure = exc
+            elapsed = time.perf_counter() - start
+            release = None
+            with self.cond:
+                if entry.state is State.DROPPED:
+                    release, entry.token = entry.token, None
+                    self.held_bytes -= entry.nbytes
+                elif failure is not None:
+                    entry.error = self._fail(entry, "load", failure)
+                    entry.state = State.STORED  # a later unpack may try again
+                else:
+                    entry.data, entry.load_event, entry.state = dst, event, State.READY
+                    self.resident_bytes += entry.nbytes
+                    self.step.reloaded_bytes += entry.nbytes
+                    self.step.read_s += elapsed
+                    self._note_peak()
+                done = entry.load_done
+                self.cond.notify_all()
+            assert done is not None
+            done.set()
+            if release is not None:
+                self.offloader.release(release)
+
+    # ----------------------------------------------------------------- shutdown
+    def close(self, entries: list[Entry]) -> None:
+        """Stop the workers (a running transfer finishes first) and release every entry."""
+        with self.cond:
+            self._stopping = True
+            self._store_q.clear()
+            self._load_q.clear()
+            self.cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        for entry in entries:
+            if entry.state is State.LOADING and entry.load_done is not None:
+                entry.state = State.STORED
+                entry.load_done.set()
+            self.drop(entry)

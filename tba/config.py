@@ -1,0 +1,174 @@
+"""`TensorCacheConfig`: every knob of the tensor cache, validated at once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from tba.offloaders.base import Offloader
+
+__all__ = ["TensorCacheConfig"]
+
+_OFFLOADER_NAMES = ("host", "ssd", "none")
+_SSD_ENGINES = ("auto", "kvikio", "posix")
+_IO_ERROR_MODES = ("raise", "keep")
+_PIPELINES = ("auto", "torch", "megatron", "deepspeed")
+_KNOWN_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "meta", "privateuseone")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorCacheConfig:
+    """Options of :func:`tba.configure_tensor_cache` (pass them as keyword arguments).
+
+    Attributes:
+        offloader: where offloaded activations go: ``"host"`` (pinned host pool on CUDA,
+            pageable memory on CPU), ``"ssd"``, ``"none"`` (keep everything in memory and only
+            account: the "keep" baseline), or an object implementing
+            :class:`tba.offloaders.Offloader`.
+        offload_devices: device types whose saved tensors the cache manages and offloads.
+            ``("cpu",)`` makes CPU training offload real tensors (used by the CPU tests).
+        min_offload_bytes: storages smaller than this stay in memory (they cost more in
+            bookkeeping than they save).
+        keep_last_modules: the last N blocks of forward (and everything after them) stay in
+            memory: backward needs them first.
+        prefetch_modules: when backward enters a module, the tensors of this many modules
+            before it (in forward order) start loading.
+        max_inflight_bytes: bound on the bytes of stores queued or running; a pack that would
+            exceed it waits (backpressure), so a slow disk cannot pin unbounded memory.
+        num_store_threads: worker threads that run stores (FIFO).
+        num_load_threads: worker threads that run loads (FIFO; loads go before stores).
+        skip_modules: module types, or ``fnmatch`` patterns of qualified module names
+            (``"lm_head"``, ``"*.attn"``), whose saved tensors are never offloaded.
+        block_modules: the repeated blocks that are the unit of keep/prefetch decisions:
+            modules, their qualified names, or module types. ``None`` finds them: the
+            children of the model's largest ``nn.ModuleList``.
+        adaptive: decide from a profiled step which leading blocks to offload so transfers
+            hide behind compute (see the README). ``False`` offloads every block but the
+            kept tail.
+        profile_step: which completed step (1-based, after warm-up) is profiled when
+            ``adaptive`` is on.
+        on_io_error: ``"raise"`` raises :class:`tba.OffloadIOError` in the training step;
+            ``"keep"`` keeps the tensor in memory, warns once and carries on.
+        ssd_dirs: directories for ``offloader="ssd"`` (tensors are striped across them);
+            ``None`` uses ``TBA_SSD_DIR`` or the system temp dir.
+        ssd_engine: ``"auto"``, ``"kvikio"`` (GPUDirect Storage or its compat mode) or
+            ``"posix"``.
+        pipeline: which pipeline engine feeds stage hints: ``"auto"`` (whichever patched
+            engine is importable), ``"torch"``, ``"megatron"``, ``"deepspeed"``, or ``None``.
+
+    Example:
+        >>> cfg = TensorCacheConfig(offloader="host", min_offload_bytes=0)
+        >>> cfg.keep_last_modules
+        1
+    """
+
+    offloader: Literal["host", "ssd", "none"] | Offloader = "host"
+    offload_devices: tuple[str, ...] = ("cuda",)
+    min_offload_bytes: int = 1 << 20
+    keep_last_modules: int = 1
+    prefetch_modules: int = 2
+    max_inflight_bytes: int = 1 << 30
+    num_store_threads: int = 1
+    num_load_threads: int = 1
+    skip_modules: tuple[type[nn.Module] | str, ...] = ()
+    block_modules: tuple[nn.Module | str | type[nn.Module], ...] | None = None
+    adaptive: bool = False
+    profile_step: int = 2
+    on_io_error: Literal["raise", "keep"] = "raise"
+    ssd_dirs: tuple[str, ...] | None = None
+    ssd_engine: Literal["auto", "kvikio", "posix"] = "auto"
+    pipeline: Literal["auto", "torch", "megatron", "deepspeed"] | None = None
+
+    def __post_init__(self) -> None:
+        # Accept lists for the tuple fields, but store tuples so the config stays hashable.
+        for name in ("offload_devices", "skip_modules", "block_modules", "ssd_dirs"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            if isinstance(value, Sequence) and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+        problems = list(self._problems())
+        if problems:
+            raise ValueError(
+                "invalid tba.TensorCacheConfig:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+
+    def _problems(self) -> list[str]:
+        from tba.offloaders.base import Offloader
+
+        out: list[str] = []
+        if isinstance(self.offloader, str):
+            if self.offloader not in _OFFLOADER_NAMES:
+                out.append(
+                    f"offloader={self.offloader!r}: expected one of {_OFFLOADER_NAMES} "
+                    "or an object implementing tba.offloaders.Offloader"
+                )
+        elif not isinstance(self.offloader, Offloader):
+            out.append(
+                f"offloader={self.offloader!r}: expected one of {_OFFLOADER_NAMES} or an object "
+                "with name/store/load/release/reserve/close (tba.offloaders.Offloader)"
+            )
+        devices = self.offload_devices
+        if not isinstance(devices, tuple) or not devices or not all(
+            isinstance(d, str) and d in _KNOWN_DEVICE_TYPES for d in devices
+        ):
+            out.append(
+                f"offload_devices={devices!r}: expected a non-empty tuple of device types "
+                f"from {_KNOWN_DEVICE_TYPES}, e.g. ('cuda',) or ('cpu',)"
+            )
+        for name, minimum in (
+            ("min_offload_bytes", 0),
+            ("keep_last_modules", 0),
+            ("prefetch_modules", 0),
+            ("max_inflight_bytes", 1),
+            ("num_store_threads", 1),
+            ("num_load_threads", 1),
+            ("profile_step", 1),
+        ):
+            value = getattr(self, name)
+            if not _is_int(value) or value < minimum:
+                out.append(f"{name}={value!r}: expected an integer >= {minimum}")
+        for name in ("skip_modules", "block_modules"):
+            value = getattr(self, name)
+            if value is None and name == "block_modules":
+                continue
+            if not isinstance(value, tuple) or not all(_is_module_spec(v) for v in value):
+                out.append(
+                    f"{name}={value!r}: expected a tuple of module types, qualified-name "
+                    "patterns (str)" + (" or module instances" if name == "block_modules" else "")
+                )
+        if not isinstance(self.adaptive, bool):
+            out.append(f"adaptive={self.adaptive!r}: expected True or False")
+        if self.on_io_error not in _IO_ERROR_MODES:
+            out.append(f"on_io_error={self.on_io_error!r}: expected one of {_IO_ERROR_MODES}")
+        if self.ssd_dirs is not None and (
+            not isinstance(self.ssd_dirs, tuple)
+            or not self.ssd_dirs
+            or not all(isinstance(d, str) and d for d in self.ssd_dirs)
+        ):
+            out.append(
+                f"ssd_dirs={self.ssd_dirs!r}: expected None or a non-empty tuple of directory paths"
+            )
+        if self.ssd_engine not in _SSD_ENGINES:
+            out.append(f"ssd_engine={self.ssd_engine!r}: expected one of {_SSD_ENGINES}")
+        if self.pipeline is not None and self.pipeline not in _PIPELINES:
+            out.append(f"pipeline={self.pipeline!r}: expected None or one of {_PIPELINES}")
+        return out
+
+    def replace(self, **changes: Any) -> TensorCacheConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_module_spec(value: object) -> bool:
+    return isinstance(value, (str, nn.Module)) or (
+        isinstance(value, type) and issubclass(value, nn.Module)
+    )
