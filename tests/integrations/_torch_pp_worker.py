@@ -1,0 +1,186 @@
+"""Worker side of the torch.distributed.pipelining tests (runs in each spawned rank).
+
+Every schedule is run three ways on the same weights and data: without tba, with a recording
+stand-in cache (the hints), and with the real cache for each offloader (bit-exactness,
+``num_sync_loads``). All cases share one process group.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tests.integrations import _common
+from tests.integrations._fakes import RecordingCache
+
+D = 16
+BATCH = 8
+NUM_MICROBATCHES = 4
+NUM_STEPS = 2
+
+# name -> (stage placement, class name in torch.distributed.pipelining)
+SCHEDULES: dict[str, tuple[str, str]] = {
+    "GPipe": ("single", "ScheduleGPipe"),
+    "1F1B": ("single", "Schedule1F1B"),
+    "Interleaved1F1B": ("loop", "ScheduleInterleaved1F1B"),
+    "LoopedBFS": ("loop", "ScheduleLoopedBFS"),
+    "InterleavedZeroBubble": ("loop", "ScheduleInterleavedZeroBubble"),
+    "ZBVZeroBubble": ("v", "ScheduleZBVZeroBubble"),
+    "DualPipeV": ("v", "ScheduleDualPipeV"),
+}
+
+
+def stage_indices(placement: str, rank: int, world: int) -> tuple[list[int], int]:
+    if placement == "single":
+        return [rank], world
+    if placement == "loop":
+        return [rank, rank + world], 2 * world
+    return [rank, 2 * world - 1 - rank], 2 * world  # "v"
+
+
+def stage_module(stage_index: int) -> nn.Module:
+    gen = torch.Generator().manual_seed(1000 + stage_index)
+    module = nn.Sequential(nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D), nn.Tanh())
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return module
+
+
+def expected_order(schedule: Any, rank: int) -> list[tuple[int, int, str]]:
+    """The schedule's own per-rank order, compute actions only (independent of tba)."""
+    order = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
+    names = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad"}
+    out: list[tuple[int, int, str]] = []
+
+    def visit(action: Any) -> None:
+        if action is None:
+            return
+        if action.sub_actions:
+            for sub in action.sub_actions:
+                visit(sub)
+        elif action.computation_type.value in names:
+            out.append(
+                (action.stage_index, action.microbatch_index, names[action.computation_type.value])
+            )
+
+    key = rank if getattr(schedule, "rank", None) is not None else schedule._stage.stage_index
+    for action in order[key]:
+        visit(action)
+    return out
+
+
+def run_schedule(name: str, rank: int, world: int, make_cache: Any) -> dict[str, Any]:
+    """Two training steps of schedule ``name``; returns losses, grads and per-cache logs."""
+    from torch.distributed import pipelining
+
+    placement, cls_name = SCHEDULES[name]
+    local, num_stages = stage_indices(placement, rank, world)
+    modules = {i: stage_module(i) for i in local}
+    stages = [
+        pipelining.PipelineStage(modules[i], i, num_stages, torch.device("cpu")) for i in local
+    ]
+    caches = {i: make_cache(modules[i]) for i in local}
+    cls = getattr(pipelining, cls_name)
+    loss_fn = lambda out, target: F.mse_loss(out, target)  # noqa: E731
+    if placement == "single":
+        schedule = cls(stages[0], n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
+    else:
+        schedule = cls(stages, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
+    params = [p for i in local for p in modules[i].parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    gen = torch.Generator().manual_seed(7)
+    out: dict[str, Any] = {"losses": [], "grads": [], "logs": [], "lookahead": [], "stats": []}
+    out["expected"] = expected_order(schedule, rank)
+    try:
+        for _ in range(NUM_STEPS):
+            x = torch.randn(BATCH, D, generator=gen)
+            target = torch.randn(BATCH, D, generator=gen)
+            for c in caches.values():
+                if isinstance(c, RecordingCache):
+                    c.calls.clear()
+            starts = {i: len(getattr(c, "stage_log", ())) for i, c in caches.items()}
+            opt.zero_grad()
+            losses: list[torch.Tensor] = []
+            args = (x,) if 0 in local else ()
+            kwargs = {"target": target, "losses": losses} if num_stages - 1 in local else {}
+            schedule.step(*args, **kwargs)
+            out["losses"].append([loss.detach().clone() for loss in losses])
+            out["grads"].append(
+                {f"{i}.{n}": p.grad.clone() for i in local for n, p in modules[i].named_parameters()}
+            )
+            out["logs"].append(
+                {i: list(getattr(c, "stage_log", ()))[starts[i]:] for i, c in caches.items()}
+            )
+            out["lookahead"].append(
+                {i: c.lookahead_log() for i, c in caches.items() if isinstance(c, RecordingCache)}
+            )
+            out["stats"].append({i: _common.stats_dict(c) for i, c in caches.items()})
+            opt.step()
+    finally:
+        for c in caches.values():
+            if c is not None:
+                c.close()
+    dist.barrier()
+    return out
+
+
+def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool, Any]]:
+    from tests.integrations._dist import run_cases
+    from tba.integrations import registry, torch_pipelining
+
+    def recording(module: nn.Module) -> RecordingCache:
+        cache = RecordingCache()
+        registry.register(cache, module)
+        return cache
+
+    cases: dict[str, Any] = {}
+    baselines: dict[str, dict[str, Any]] = {}
+
+    def baseline(name: str) -> Any:
+        def case() -> Any:
+            baselines[name] = run_schedule(name, rank, world, lambda m: None)
+            return None
+
+        return case
+
+    def hints(name: str) -> Any:
+        def case() -> Any:
+            torch_pipelining.patch()
+            try:
+                got = run_schedule(name, rank, world, recording)
+            finally:
+                torch_pipelining.unpatch()
+            _common.check_hints(got)
+            _common.check_bit_exact(baselines[name], got)
+            return None
+
+        return case
+
+    def offload(name: str, offloader: str) -> Any:
+        def case() -> Any:
+            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp:
+                torch_pipelining.patch()
+                try:
+                    got = run_schedule(
+                        name, rank, world, lambda m: _common.real_cache(m, offloader, tmp)
+                    )
+                finally:
+                    torch_pipelining.unpatch()
+            _common.check_bit_exact(baselines[name], got)
+            _common.check_real_cache(got)
+            return got["stats"]
+
+        return case
+
+    for name in SCHEDULES:
+        cases[f"{name}/baseline"] = baseline(name)
+        cases[f"{name}/hints"] = hints(name)
+        for offloader in offloaders:
+            cases[f"{name}/{offloader}"] = offload(name, offloader)
+    return run_cases(rank, cases)

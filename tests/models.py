@@ -1,0 +1,88 @@
+"""Small models for the tests: transformers GPT-2/BERT/T5 from configs (no downloads) and
+adversarial ones that stress storage identity."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 128
+SEQ = 16
+BATCH = 4
+
+
+def gpt2(num_layers: int = 3) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=num_layers, n_head=4,
+        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def bert(num_layers: int = 2) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    return BertForMaskedLM(config)
+
+
+def t5(num_layers: int = 2) -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=num_layers,
+        num_decoder_layers=num_layers, num_heads=4, dropout_rate=0.1, decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def lm_batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def t5_batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(1, VOCAB, (BATCH, SEQ // 2), generator=g)
+    return {"input_ids": ids, "labels": labels}
+
+
+def vector_batch(seed: int, features: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH * 2, features, generator=g)
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class Stack(nn.Module):
+    """Embedding, N residual MLP blocks, head: a model where activations dominate."""
+
+    def __init__(self, num_blocks: int = 6, width: int = 64, features: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(MLPBlock(width) for _ in range(num_blocks))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).pow(2).mean()
