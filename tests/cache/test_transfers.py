@@ -1,0 +1,176 @@
+"""The transfer state machine driven deterministically: forwarding, cancellation, prefetch,
+backpressure, stream ordering and I/O errors (Note [Transfer ordering])."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import tba
+from tba.cache.tensor_cache import TensorCache
+from tests import models
+from tests.cache.fakes import FakeOffloader, RecordingStreams
+from tests.twin import run_twins
+
+
+def make_cache(model, offloader, streams=None, **options) -> TensorCache:
+    options = {"offload_devices": ("cpu",), "min_offload_bytes": 0, "keep_last_modules": 0,
+               **options}
+    config = tba.TensorCacheConfig(offloader=offloader, **options)
+    return TensorCache(model, config, offloader, streams=streams)
+
+
+def test_stream_ordering_of_stores_and_loads() -> None:
+    streams = RecordingStreams()
+    offloader = FakeOffloader()
+    model = models.Stack(num_blocks=4)
+    cache = make_cache(model, offloader, streams, prefetch_modules=0)
+    loss = model(models.vector_batch(0))
+    # Let every store finish before backward, so backward has to load.
+    deadline = threading.Event()
+    while cache._transfers.inflight_bytes and not deadline.wait(0.01):
+        pass
+    loss.backward()
+    stats = cache.stats()
+    cache.close()
+    assert stats.num_offloaded > 0 and stats.reloaded_bytes > 0
+    log = streams.log
+    producers = [e[1] for e in log if e[0] == "record" and e[1][0] == "producer"]
+    store_waits = [e[2] for e in log if e[0] == "enter" and e[1] == "store"]
+    # 1. Every store waited on the event recorded when its tensor was packed, in pack order.
+    assert store_waits == producers[: len(store_waits)] and len(store_waits) == stats.num_offloaded
+    main = threading.get_ident()
+    assert all(e[2] == main for e in log if e[0] == "record" and e[1][0] == "producer")
+    assert all(e[3] != main for e in log if e[0] == "enter")
+    # 2. Loads record their event inside the load context, on the worker.
+    loaded = [e[1] for e in log if e[0] == "record" and e[1][0] == "loaded"]
+    assert len(loaded) == offloader.num_loads > 0
+    # 3. The training thread consumes each loaded event before autograd uses the tensor,
+    #    and only after the load recorded it.
+    consumed = [(i, e) for i, e in enumerate(log) if e[0] == "consume"]
+    assert consumed and all(e[3] == main for _, e in consumed)
+    for i, e in consumed:
+        recorded_at = next(j for j, f in enumerate(log) if f[0] == "record" and f[1] == e[1])
+        assert recorded_at < i
+    assert {e[1] for _, e in consumed} == set(loaded)
+
+
+def test_forwarding_serves_in_flight_store_without_read() -> None:
+    offloader = FakeOffloader()
+    offloader.gate = threading.Event()
+    model = models.Stack(num_blocks=3)
+    cache = make_cache(model, offloader)
+    loss = model(models.vector_batch(0))
+    assert offloader.store_started.acquire(timeout=10)  # one store is running, the rest queued
+    # Backward needs the tensors while the first store is still running: all served from
+    # memory, the queued stores cancelled, nothing read.
+    timer = threading.Timer(0.5, offloader.gate.set)
+    timer.start()
+    loss.backward()
+    timer.join()
+    stats = cache.stats()
+    cache.close()
+    assert offloader.num_loads == 0
+    assert stats.reloaded_bytes == 0
+    assert stats.num_forwarded == stats.num_packed - stats.num_deduplicated
+    assert stats.num_cancelled >= stats.num_packed - 2
+    assert stats.num_offloaded <= 1
+    assert not offloader.blobs  # the one finished store was released
+
+
+def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
+    offloader = FakeOffloader()
+    model = models.Stack(num_blocks=6)
+    cache = make_cache(model, offloader, prefetch_modules=2)
+    for step in range(3):
+        loss = model(models.vector_batch(step))
+        while cache._transfers.inflight_bytes:
+            threading.Event().wait(0.005)
+        loss.backward()
+        assert cache.stats().reloaded_bytes > 0
+    cache.close()
+    assert offloader.closed and not offloader.blobs
+    assert offloader.reserved, "the pool was never sized from the first step"
+
+
+def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
+    from tba.cache.entries import Entry, State
+    from tba.cache.streams import DeviceStreams
+    from tba.cache.transfers import Transfers
+
+    offloader = FakeOffloader()
+    transfers = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
+                          max_inflight_bytes=1 << 20, on_io_error="raise")
+    data = torch.arange(4097, dtype=torch.int64).view(torch.uint8).clone()
+    entry = Entry((1, 0), data.clone(), offload=True)
+    transfers.add(entry)
+    while entry.state is not State.STORED:
+        threading.Event().wait(0.001)
+    assert entry.data is None and transfers.resident_bytes == 0
+    loaded, _ = transfers.fetch(entry)  # nobody prefetched it
+    assert torch.equal(loaded, data)
+    assert transfers.step.num_sync_loads == 1 and transfers.step.reloaded_bytes == data.numel()
+    loaded, _ = transfers.fetch(entry)  # READY now: no second read
+    assert offloader.num_loads == 1
+    transfers.drop(entry)
+    assert offloader.released == [0] and transfers.resident_bytes == 0
+    transfers.close([])
+
+
+def test_inflight_bytes_bound_applies_backpressure() -> None:
+    offloader = FakeOffloader()
+    offloader.gate = threading.Event()
+    model = models.Stack(num_blocks=4, width=64)
+    cache = make_cache(model, offloader, max_inflight_bytes=1)
+    timer = threading.Timer(0.3, offloader.gate.set)
+    timer.start()
+    loss = model(models.vector_batch(0))
+    timer.join()
+    # With room for one store at a time, forward waited for the gated store.
+    assert cache._transfers.step.store_wait_s >= 0.2
+    loss.backward()
+    cache.close()
+
+
+@pytest.mark.parametrize("where", ["store", "load"])
+def test_io_error_raises_in_training_step(where: str) -> None:
+    offloader = FakeOffloader()
+    model = models.Stack(num_blocks=3)
+    cache = make_cache(model, offloader, prefetch_modules=0)
+    with pytest.raises(tba.OffloadIOError) as info:
+        for step in range(3):
+            offloader.fail_store = where == "store"
+            loss = model(models.vector_batch(step))
+            while cache._transfers.inflight_bytes:
+                threading.Event().wait(0.005)
+            offloader.fail_load = where == "load"
+            loss.backward()
+    message = str(info.value)
+    assert "injected" in message
+    if where == "store":
+        assert info.value.errno is not None and "path=/fake" in message
+    cache.close()
+
+
+def test_io_error_keep_warns_once_and_stays_bit_exact() -> None:
+    offloader = FakeOffloader()
+    offloader.fail_store = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = run_twins(models.Stack, models.vector_batch, steps=3, offloader=offloader,
+                          offload_devices=("cpu",), min_offload_bytes=0, on_io_error="keep")
+    relevant = [w for w in caught if "on_io_error='keep'" in str(w.message)]
+    assert len(relevant) == 1
+    total = cache.stats(cumulative=True)
+    assert total.num_io_errors > 0 and total.offloaded_bytes == 0
+
+
+def test_custom_offloader_bit_exact_and_released() -> None:
+    offloader = FakeOffloader()
+    run_twins(models.gpt2, models.lm_batch, steps=3, offloader=offloader,
+              offload_devices=("cpu",), min_offload_bytes=0)
+    assert offloader.num_stores > 0
+    assert offloader.closed and not offloader.blobs
