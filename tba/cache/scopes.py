@@ -2,7 +2,7 @@
 
 A *unit* is a module whose forward call opens a scope: every tensor saved while it runs belongs
 to that scope. Units are the model's repeated blocks (children of its largest
-``nn.ModuleList``, or ``block_modules``) plus the outermost modules that are neither blocks nor
+``nn.ModuleList`` and of lists of the same block type, or ``block_modules``) plus the outermost modules that are neither blocks nor
 contain one (embeddings, final norm, LM head). A forward pass of the root module is a *record*:
 its scopes in forward order, which backward walks in reverse to prefetch.
 """
@@ -45,18 +45,30 @@ def matches(module: nn.Module, name: str, specs: tuple) -> bool:
     return False
 
 
-def _largest_module_list(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    best: tuple[int, int, str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            num_params = sum(p.numel() for p in module.parameters())
-            key = (num_params, len(module), name, module)
-            if best is None or key[:2] > best[:2]:
-                best = key
-    if best is None:
+def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Children of the model's largest ``nn.ModuleList`` (by parameters), plus those of every
+    other list holding the same block types (an encoder-decoder has two stacks)."""
+    lists = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0
+    ]
+    if not lists:
         return []
-    prefix = best[2] + "." if best[2] else ""
-    return [(f"{prefix}{i}", child) for i, child in enumerate(best[3])]
+    sizes = {name: sum(p.numel() for p in m.parameters()) for name, m in lists}
+    best_name, best = max(lists, key=lambda item: (sizes[item[0]], len(item[1])))
+    kinds = {type(child) for child in best}
+    chosen: list[str] = []
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, module in lists:
+        if {type(child) for child in module} != kinds:
+            continue
+        if any(name.startswith(outer + ".") for outer in chosen):
+            continue  # a list inside a chosen block belongs to that block
+        chosen.append(name)
+        prefix = name + "." if name else ""
+        blocks.extend((f"{prefix}{i}", child) for i, child in enumerate(module))
+    return blocks
 
 
 def find_units(model: nn.Module, block_specs: tuple | None) -> list[Unit]:
@@ -66,7 +78,7 @@ def find_units(model: nn.Module, block_specs: tuple | None) -> list[Unit]:
         ValueError: ``block_specs`` names no module of ``model``.
     """
     if block_specs is None:
-        blocks = _largest_module_list(model)
+        blocks = _repeated_blocks(model)
     else:
         blocks = [(n, m) for n, m in model.named_modules() if n and matches(m, n, block_specs)]
         # Blocks nested in other blocks are not units of their own.
