@@ -35,12 +35,6 @@ def require_cuda() -> None:
         pytest.skip("needs a CUDA device")
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "gpu" in item.keywords and "device" not in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.usefixtures("_gpu_required"))
-
-
-@pytest.fixture
-def _gpu_required() -> None:
-    require_cuda()
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "gpu" in item.keywords and "device" not in getattr(item, "fixturenames", ()):
+        require_cuda()

@@ -67,3 +67,28 @@ class CacheStats:
     def finish_rates(self) -> None:
         self.write_bytes_per_s = self.offloaded_bytes / self.write_s if self.write_s > 0 else 0.0
         self.read_bytes_per_s = self.reloaded_bytes / self.read_s if self.read_s > 0 else 0.0
+
+
+def format_summary(rows: list[tuple[int, CacheStats, int]], num_blocks: int, decision: object) -> str:
+    """The table behind ``TensorCache.summary()``: one line per (step number, stats, number of
+    offloaded blocks)."""
+    mib, gib = 2**20, 2**30
+    header = (
+        f"{'step':>5} {'offloaded MiB':>13} {'reloaded MiB':>12} {'kept MiB':>9} {'fwd':>5} "
+        f"{'dedup':>5} {'write GB/s':>10} {'read GB/s':>9} {'stall ms':>8} {'peak MiB':>9} "
+        f"{'offloaded blocks':>16}"
+    )
+    lines = [header, "-" * len(header)]
+    for number, s, tail_start in rows:
+        lines.append(
+            f"{number:>5} {s.offloaded_bytes / mib:>13.1f} {s.reloaded_bytes / mib:>12.1f} "
+            f"{s.kept_bytes / mib:>9.1f} {s.num_forwarded:>5} {s.num_deduplicated:>5} "
+            f"{s.write_bytes_per_s / gib:>10.2f} {s.read_bytes_per_s / gib:>9.2f} "
+            f"{s.stall_s * 1e3:>8.1f} {s.peak_resident_bytes / mib:>9.1f} "
+            f"{f'0-{tail_start - 1} of {num_blocks}' if tail_start else f'none of {num_blocks}':>16}"
+        )
+    if not rows:
+        lines.append("(no completed step yet)")
+    if decision is not None:
+        lines.append(f"adaptive: {decision}")
+    return "\n".join(lines)

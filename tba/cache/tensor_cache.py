@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -15,10 +16,12 @@ from torch import nn
 
 from tba import _torch_compat as compat
 from tba.cache.entries import Entry, Handle
-from tba.cache.policy import Boundary
+from tba.cache.policy import Boundary, BoundaryDecision
+from tba.cache.profile import StepProfile
 from tba.cache.scopes import Record, Scope, Unit, find_units, matches
-from tba.cache.stats import CacheStats
+from tba.cache.stats import CacheStats, format_summary
 from tba.cache.streams import DeviceStreams, StreamLayer
+from tba.cache.trace import TraceRecorder
 from tba.cache.transfers import Transfers
 from tba.config import TensorCacheConfig
 from tba.errors import TBAError
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 _STAMPS = itertools.count(1)  # Note [Storage stamps]
 _BACKWARD_ACTIONS = ("backward", "input_grad", "weight_grad")
 _ACTIONS = ("forward",) + _BACKWARD_ACTIONS
+_BANDWIDTH_DRIFT = 1.5  # re-profile when measured write bandwidth moves by this factor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,7 @@ class TensorCache:
             num_load_threads=config.num_load_threads,
             max_inflight_bytes=config.max_inflight_bytes,
             on_io_error=config.on_io_error,
+            trace=TraceRecorder(),
         )
         self._lock = self._transfers.lock
         self.units: list[Unit] = find_units(model, config.block_modules)
@@ -100,6 +105,11 @@ class TensorCache:
         self._last = CacheStats()
         self._total = CacheStats()
         self._reserved = False
+        self._steps_done = 0
+        self._history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
+        self._profile: StepProfile | None = None
+        self._profile_due = config.profile_step if config.adaptive else None
+        self._signature: tuple | None = None
         self._closed = False
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
@@ -110,6 +120,24 @@ class TensorCache:
         """Counters of the last completed step, or totals over all steps with ``cumulative``."""
         with self._lock:
             return dataclasses.replace(self._total if cumulative else self._last)
+
+    @property
+    def adaptive_decision(self) -> BoundaryDecision | None:
+        """The last adaptive decision (which blocks are offloaded, and the measurements it
+        came from), or None before the profiled step."""
+        return self.boundary.decision
+
+    def summary(self, last: int = 20) -> str:
+        """A readable table of the last ``last`` steps: bytes offloaded, forwarded,
+        deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded."""
+        with self._lock:
+            rows = list(self._history)[-last:]
+        return format_summary(rows, self.num_blocks, self.boundary.decision)
+
+    def export_trace(self, path: str) -> int:
+        """Write the last completed step's pack, store, load and stall events as Chrome-trace
+        JSON (open it in Perfetto or chrome://tracing); returns the number of events."""
+        return self._transfers.trace.export(path)
 
     def set_stage(
         self,
@@ -226,6 +254,13 @@ class TensorCache:
         )
         with self._lock:
             self._begin_record()
+            if self._profile_due is not None:
+                self._check_signature(args)
+                if self._profile is None and self._steps_done + 1 >= self._profile_due:
+                    self.boundary.tail_start = self.boundary.default_tail_start
+                    self._profile = StepProfile(self.num_blocks, self._on_cuda())
+            if self._profile is not None:
+                self._profile.start(None)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
 
@@ -237,6 +272,8 @@ class TensorCache:
             return
         ctx, self._hooks_ctx = self._hooks_ctx, None
         ctx.__exit__(None, None, None)
+        if self._profile is not None:
+            self._profile.end(None)
         self._unit_stack.clear()
         self._root_scope = None
         self._skip_depth = 0
@@ -275,12 +312,16 @@ class TensorCache:
             record.in_tail = True  # this block and everything after it stay in memory
         keep = record.in_tail or bool(self._unit_stack and self._unit_stack[-1][2])
         self._unit_stack.append([unit, None, keep])
+        if self._profile is not None and unit.block_index is not None:
+            self._profile.start(unit.block_index)
         self._root_scope = None
 
     def _unit_post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if self._hooks_ctx is None or compat.in_backward() or not self._unit_stack:
             return
         _, scope, _ = self._unit_stack.pop()
+        if self._profile is not None and unit.block_index is not None:
+            self._profile.end(unit.block_index)
         if scope is None or self._closed:
             return
         seen: set[int] = set()
@@ -349,6 +390,10 @@ class TensorCache:
                     and data.numel() >= self.config.min_offload_bytes
                 )
                 entry = self._entries[key] = Entry(key, data, offload)
+                if self._profile is not None and scope.unit is not None:
+                    block = scope.unit.block_index
+                    if block is not None and data.numel() >= self.config.min_offload_bytes:
+                        self._profile.add_bytes(block, data.numel())
                 if offload:
                     entry.event = transfers.streams.producer_event(tensor.device)
                 transfers.add(entry)
@@ -428,10 +473,48 @@ class TensorCache:
         self._records.clear()
         self._last = step
         self._total = self._total.merged(step)
-        if not self._reserved and self.offloader is not None and self._transfers.peak_held_bytes:
+        self._steps_done += 1
+        self._history.append((self._steps_done, step, self.boundary.tail_start))
+        if self._profile is not None:
+            profile, self._profile = self._profile, None
+            self._decide(profile, step)
+        elif self.boundary.decision is not None and step.write_bytes_per_s > 0:
+            ratio = step.write_bytes_per_s / max(self.boundary.decision.write_bytes_per_s, 1e-9)
+            if not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
+                logger.info("tba adaptive: write bandwidth moved %.2fx, re-profiling", ratio)
+                self._profile_due = self._steps_done + 1
+        reserve_after = self._profile_due if self._profile_due is not None else 1
+        if (
+            not self._reserved
+            and self._steps_done >= reserve_after
+            and self.offloader is not None
+            and self._transfers.peak_held_bytes
+        ):
             self._reserved = True
             self.offloader.reserve(self._transfers.peak_held_bytes)
+        self._transfers.trace.end_step()
         logger.debug("tba step finished: %s", step)
+
+    def _decide(self, profile: StepProfile, step: CacheStats) -> None:
+        block_s, forward_s = profile.finish()
+        if step.write_bytes_per_s <= 0:
+            logger.info("tba adaptive: nothing was written in the profiled step; profiling the next")
+            self._profile_due = self._steps_done + 1
+            return
+        self.boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
+
+    def _check_signature(self, args: Any) -> None:
+        """Re-profile when the inputs' shapes or the number of forwards per step change."""
+        shapes = tuple(tuple(t.shape) for t in _tensors_in(args))
+        signature = (shapes, len(self._records))
+        if self._signature is not None and signature != self._signature and self.boundary.decision:
+            logger.info("tba adaptive: inputs changed (%s -> %s), re-profiling", self._signature, signature)
+            self._profile_due = self._steps_done + 1
+        self._signature = signature
+
+    def _on_cuda(self) -> bool:
+        param = next(self.model.parameters(), None)
+        return param is not None and param.device.type == "cuda"
 
 
 def _tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:

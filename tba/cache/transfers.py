@@ -18,6 +18,7 @@ import torch
 from tba.cache.entries import Entry, State
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
+from tba.cache.trace import TraceRecorder
 from tba.errors import OffloadIOError
 from tba.offloaders.base import Offloader
 
@@ -48,8 +49,10 @@ class Transfers:
         num_load_threads: int,
         max_inflight_bytes: int,
         on_io_error: str,
+        trace: TraceRecorder,
     ) -> None:
         self.offloader = offloader
+        self.trace = trace
         self.streams = streams
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -71,6 +74,7 @@ class Transfers:
     # ----------------------------------------------------------------- training thread side
     def add(self, entry: Entry) -> None:
         """A new entry holding data; queue its store if it is to be offloaded."""
+        self.trace.instant("pack", bytes=entry.nbytes, offload=entry.offload)
         with self.cond:
             self.resident_bytes += entry.nbytes
             if entry.offload and self.offloader is not None:
@@ -145,8 +149,10 @@ class Transfers:
         assert done is not None
         start = time.perf_counter()
         done.wait()
+        end = time.perf_counter()
+        self.trace.span("stall", start, end, bytes=entry.nbytes)
         with self.cond:
-            self.step.stall_s += time.perf_counter() - start
+            self.step.stall_s += end - start
             if entry.error is not None:
                 error, entry.error = entry.error, None
                 raise error
@@ -253,7 +259,9 @@ class Transfers:
                     token = self.offloader.store(src)
             except Exception as exc:  # re-raised on the training thread, never swallowed
                 failure = exc
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
+            elapsed = end - start
+            self.trace.span("store", start, end, bytes=entry.nbytes, ok=failure is None)
             del src
             release = None
             with self.cond:
@@ -319,7 +327,9 @@ class Transfers:
                     event = self.streams.loaded_event(entry.device)
             except Exception as exc:  # re-raised on the training thread by fetch()
                 failure = exc
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
+            elapsed = end - start
+            self.trace.span("load", start, end, bytes=entry.nbytes, ok=failure is None)
             release = None
             with self.cond:
                 if entry.state is State.DROPPED:

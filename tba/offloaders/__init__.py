@@ -6,11 +6,12 @@ from typing import TYPE_CHECKING
 
 from tba.offloaders.base import Offloader
 from tba.offloaders.host import HostOffloader
+from tba.offloaders.throttled import Throttled
 
 if TYPE_CHECKING:
     from tba.config import TensorCacheConfig
 
-__all__ = ["Offloader", "HostOffloader", "make_offloader"]
+__all__ = ["Offloader", "HostOffloader", "Throttled", "make_offloader"]
 
 
 def make_offloader(config: TensorCacheConfig, *, rank: int | None = None) -> Offloader | None:

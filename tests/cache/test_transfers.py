@@ -99,11 +99,13 @@ def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
 def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
     from tba.cache.entries import Entry, State
     from tba.cache.streams import DeviceStreams
+    from tba.cache.trace import TraceRecorder
     from tba.cache.transfers import Transfers
 
     offloader = FakeOffloader()
     transfers = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
-                          max_inflight_bytes=1 << 20, on_io_error="raise")
+                          max_inflight_bytes=1 << 20, on_io_error="raise",
+                          trace=TraceRecorder())
     data = torch.arange(4097, dtype=torch.int64).view(torch.uint8).clone()
     entry = Entry((1, 0), data.clone(), offload=True)
     transfers.add(entry)

@@ -1,0 +1,59 @@
+"""Forward-pass profile for the adaptive boundary: per-block time and offloadable bytes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["StepProfile"]
+
+
+class StepProfile:
+    """Times each block's forward and the whole forward, and sums each block's offloadable
+    bytes, over the forward passes of one step.
+
+    On CUDA the times come from CUDA events on the current stream (read once the step is
+    over); on other devices from the wall clock at the hooks, which are synchronous points.
+    """
+
+    def __init__(self, num_blocks: int, cuda: bool) -> None:
+        self.num_blocks = num_blocks
+        self._cuda = cuda
+        self.block_bytes = [0] * num_blocks
+        self._spans: list[tuple[int | None, Any, Any]] = []  # (block or None=forward, start, end)
+        self._open: dict[int | None, list[Any]] = {}
+
+    def _mark(self) -> Any:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, block: int | None) -> None:
+        """Start timing ``block`` (None: the whole forward)."""
+        self._open.setdefault(block, []).append(self._mark())
+
+    def end(self, block: int | None) -> None:
+        starts = self._open.get(block)
+        if starts:
+            self._spans.append((block, starts.pop(), self._mark()))
+
+    def add_bytes(self, block: int, num_bytes: int) -> None:
+        self.block_bytes[block] += num_bytes
+
+    def finish(self) -> tuple[list[float], float]:
+        """Per-block forward seconds and total forward seconds."""
+        block_s = [0.0] * self.num_blocks
+        forward_s = 0.0
+        if self._cuda and self._spans:
+            self._spans[-1][2].synchronize()
+        for block, start, end in self._spans:
+            seconds = start.elapsed_time(end) / 1e3 if self._cuda else end - start
+            if block is None:
+                forward_s += seconds
+            else:
+                block_s[block] += seconds
+        return block_s, forward_s
