@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,11 +19,14 @@ class StepProfile:
     over); on other devices from the wall clock at the hooks, which are synchronous points.
     """
 
-    def __init__(self, num_blocks: int, cuda: bool) -> None:
+    def __init__(self, num_blocks: int, cuda: bool, waited_s: Callable[[], float]) -> None:
         self.num_blocks = num_blocks
         self._cuda = cuda
+        # Time forward spent blocked on backpressure is not compute that hides transfers:
+        # it is taken out of every span it falls in.
+        self._waited_s = waited_s
         self.block_bytes = [0] * num_blocks
-        self._spans: list[tuple[int | None, Any, Any]] = []  # (block or None=forward, start, end)
+        self._spans: list[tuple[int | None, Any, Any, float]] = []  # (block|None, start, end, waited)
         self._open: dict[int | None, list[Any]] = {}
 
     def _mark(self) -> Any:
@@ -34,12 +38,13 @@ class StepProfile:
 
     def start(self, block: int | None) -> None:
         """Start timing ``block`` (None: the whole forward)."""
-        self._open.setdefault(block, []).append(self._mark())
+        self._open.setdefault(block, []).append((self._mark(), self._waited_s()))
 
     def end(self, block: int | None) -> None:
         starts = self._open.get(block)
         if starts:
-            self._spans.append((block, starts.pop(), self._mark()))
+            start, waited = starts.pop()
+            self._spans.append((block, start, self._mark(), self._waited_s() - waited))
 
     def add_bytes(self, block: int, num_bytes: int) -> None:
         self.block_bytes[block] += num_bytes
@@ -50,8 +55,9 @@ class StepProfile:
         forward_s = 0.0
         if self._cuda and self._spans:
             self._spans[-1][2].synchronize()
-        for block, start, end in self._spans:
+        for block, start, end, waited in self._spans:
             seconds = start.elapsed_time(end) / 1e3 if self._cuda else end - start
+            seconds = max(0.0, seconds - waited)
             if block is None:
                 forward_s += seconds
             else:

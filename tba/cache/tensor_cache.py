@@ -254,11 +254,14 @@ class TensorCache:
         )
         with self._lock:
             self._begin_record()
-            if self._profile_due is not None:
+            if self.config.adaptive:
                 self._check_signature(args)
-                if self._profile is None and self._steps_done + 1 >= self._profile_due:
+            if self._profile_due is not None and self._profile is None:
+                if self._steps_done + 1 >= self._profile_due:
                     self.boundary.tail_start = self.boundary.default_tail_start
-                    self._profile = StepProfile(self.num_blocks, self._on_cuda())
+                    self._profile = StepProfile(
+                        self.num_blocks, self._on_cuda(), lambda: self._transfers.step.store_wait_s
+                    )
             if self._profile is not None:
                 self._profile.start(None)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -483,7 +486,7 @@ class TensorCache:
             if not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
                 logger.info("tba adaptive: write bandwidth moved %.2fx, re-profiling", ratio)
                 self._profile_due = self._steps_done + 1
-        reserve_after = self._profile_due if self._profile_due is not None else 1
+        reserve_after = self.config.profile_step if self.config.adaptive else 1
         if (
             not self._reserved
             and self._steps_done >= reserve_after
@@ -502,6 +505,7 @@ class TensorCache:
             self._profile_due = self._steps_done + 1
             return
         self.boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
+        self._profile_due = None
 
     def _check_signature(self, args: Any) -> None:
         """Re-profile when the inputs' shapes or the number of forwards per step change."""

@@ -1,0 +1,124 @@
+"""Step time and activation peak: keep everything vs offload with adaptive off and on.
+
+With a throttled offloader (``--write-mib-s``) writes cannot keep up with forward; the adaptive
+boundary keeps the later blocks in memory so the step stays fast.
+
+    python benchmarks/adaptive_offload.py                            # CPU, 20 MiB/s writes
+    python benchmarks/adaptive_offload.py --write-mib-s 0            # unthrottled host pool
+    python benchmarks/adaptive_offload.py --device cuda --width 4096 --batch 8192 --write-mib-s 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import tba
+from tba.offloaders import Throttled
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, blocks: int, width: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def run(args: argparse.Namespace, mode: str) -> dict:
+    torch.manual_seed(0)
+    model = Model(args.blocks, args.width).to(args.device)
+    x = torch.randn(args.batch, args.width, device=args.device)
+    if mode == "keep":
+        offloader, adaptive = "none", False
+    else:
+        offloader = "host"
+        if args.write_mib_s:
+            offloader = Throttled("host", write_bytes_per_s=args.write_mib_s * 2**20,
+                                  read_bytes_per_s=args.read_mib_s * 2**20)
+        adaptive = mode == "adaptive"
+    times, peaks = [], []
+    with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=(args.device,),
+                                    min_offload_bytes=0, adaptive=adaptive) as cache:
+        for step in range(args.steps):
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            model(x).backward()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+                peaks.append(torch.cuda.max_memory_allocated() - base)
+            times.append(time.perf_counter() - start)
+        stats = cache.stats()
+        tail = cache.boundary.tail_start
+    warm = times[args.warmup:]
+    return {
+        "mode": mode,
+        "median_step_s": statistics.median(warm),
+        "peak_resident_bytes": stats.peak_resident_bytes,
+        "cuda_peak_bytes": statistics.median(peaks[args.warmup:]) if peaks else None,
+        "kept_bytes": stats.kept_bytes,
+        "offloaded_bytes": stats.offloaded_bytes,
+        "stall_s": stats.stall_s,
+        "offloaded_blocks": tail,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--write-mib-s", type=float, default=20.0, help="0: unthrottled")
+    p.add_argument("--read-mib-s", type=float, default=2000.0)
+    p.add_argument("--out", default="adaptive_offload.json")
+    args = p.parse_args(argv)
+    env = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else
+        f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
+        "python": platform.python_version(), "torch": torch.__version__, "tba": tba.__version__,
+        "command": " ".join([sys.executable, *sys.argv]),
+    }
+    print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
+    rows = [run(args, mode) for mode in ("keep", "fixed", "adaptive")]
+    keep = rows[0]
+    for row in rows:
+        print(f"{row['mode']:>8}: step {row['median_step_s'] * 1e3:8.1f} ms "
+              f"({row['median_step_s'] / keep['median_step_s']:.2f}x keep)  peak resident "
+              f"{row['peak_resident_bytes'] / 2**20:7.1f} MiB "
+              f"({row['peak_resident_bytes'] / max(keep['peak_resident_bytes'], 1):.2f}x keep)  "
+              f"offloaded blocks {row['offloaded_blocks']}/{args.blocks}  stall {row['stall_s'] * 1e3:.1f} ms")
+    result = {"environment": env, "args": vars(args), "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Adaptive offloading: the boundary solver on synthetic profiles, the cache's decision on
+fast and throttled offloaders, bit-exactness, summary and trace."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import tba
+from tba.cache.policy import Boundary, solve_boundary
+from tba.offloaders import Throttled
+from tests import models
+from tests.twin import run_twins
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------- solver, hand-computed
+def test_everything_fits() -> None:
+    # B = 100 MiB/s, T_f = 1 s, 4 blocks of 0.25 s and 10 MiB:
+    # n=0: 20/3 = 6.7; n=1: 30/2.5 = 12; n=2: 40/2 = 20; n=3: 50/1.5 = 33.3 MiB/s, all <= 100.
+    n, reason = solve_boundary([0.25] * 4, [10 * MiB] * 4, 1.0, 100 * MiB)
+    assert n == 4 and "fit" in reason
+
+
+def test_boundary_in_the_middle() -> None:
+    # B = 25 MiB/s with the profile above: n=2 needs 20 <= 25, n=3 needs 33.3 > 25 -> keep 3.
+    assert solve_boundary([0.25] * 4, [10 * MiB] * 4, 1.0, 25 * MiB)[0] == 3
+    # B = 10 MiB/s: n=0 6.7 ok, n=1 12 > 10 -> offload only block 0.
+    assert solve_boundary([0.25] * 4, [10 * MiB] * 4, 1.0, 10 * MiB)[0] == 1
+
+
+def test_nothing_fits() -> None:
+    # The first block alone needs 2 * 30 MiB / 3 s = 20 MiB/s > 5 MiB/s.
+    n, reason = solve_boundary([1.0], [30 * MiB], 1.0, 5 * MiB)
+    assert n == 0 and "block 0" in reason
+
+
+def test_single_block_fits() -> None:
+    assert solve_boundary([1.0], [30 * MiB], 1.0, 20 * MiB)[0] == 1
+
+
+def test_zero_volume_blocks_cost_nothing() -> None:
+    # Zero-volume blocks add time, not bytes: 2*12 / (3*1 - 0) = 8; then (0+24)/(3-2*0.5)=12
+    n = solve_boundary([0.5, 0.5, 0.0], [0, 12 * MiB, 0], 1.0, 10 * MiB)[0]
+    assert n == 1
+
+
+def test_no_bandwidth_keeps_everything() -> None:
+    assert solve_boundary([0.1], [MiB], 1.0, 0.0)[0] == 0
+    with pytest.raises(ValueError):
+        solve_boundary([0.1, 0.2], [MiB], 1.0, 1.0)
+
+
+def test_boundary_never_passes_the_kept_tail() -> None:
+    b = Boundary(num_blocks=4, keep_last_modules=1)
+    b.decide([0.25] * 4, [MiB] * 4, 1.0, 1e12)
+    assert b.tail_start == 3
+    assert b.decision is not None and b.decision.num_blocks == 4
+
+
+# ---------------------------------------------------------------- the cache's decisions
+def _train(model, cache, steps: int) -> float:
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        model(torch.randn(256, 16)).backward()
+        times.append(time.perf_counter() - start)
+    return sorted(times[2:])[len(times[2:]) // 2]
+
+
+def test_unthrottled_offloads_every_block_but_the_tail() -> None:
+    model = models.Stack(num_blocks=6, width=128)
+    with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
+                                    min_offload_bytes=0, adaptive=True, profile_step=2) as cache:
+        _train(model, cache, 4)
+        decision = cache.adaptive_decision
+    assert decision is not None
+    assert decision.tail_start == 5, decision
+    assert decision.write_bytes_per_s > 0 and decision.forward_s > 0
+    assert sum(decision.block_bytes) > 0 and all(t > 0 for t in decision.block_s)
+
+
+def test_throttled_moves_boundary_earlier_and_is_faster() -> None:
+    def run(adaptive: bool) -> tuple[float, int, tba.CacheStats]:
+        torch.manual_seed(0)
+        model = models.Stack(num_blocks=6, width=256)
+        slow = Throttled("host", write_bytes_per_s=20 * MiB, read_bytes_per_s=200 * MiB)
+        with tba.configure_tensor_cache(model, offloader=slow, offload_devices=("cpu",),
+                                        min_offload_bytes=0, adaptive=adaptive,
+                                        max_inflight_bytes=2 * MiB) as cache:
+            step_s = _train(model, cache, 6)
+            return step_s, cache.boundary.tail_start, cache.stats()
+
+    fixed_s, fixed_tail, fixed = run(False)
+    adaptive_s, adaptive_tail, adapted = run(True)
+    assert fixed_tail == 5
+    assert adaptive_tail < fixed_tail
+    assert adapted.kept_bytes > fixed.kept_bytes
+    assert adaptive_s < fixed_s, (adaptive_s, fixed_s)
+
+
+@pytest.mark.parametrize("throttle", [None, 20 * MiB])
+def test_adaptive_bit_exact(throttle) -> None:
+    offloader = Throttled("host", write_bytes_per_s=throttle) if throttle else "host"
+    run_twins(lambda: models.Stack(num_blocks=4, width=64), models.vector_batch, steps=4,
+              offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0,
+              adaptive=True, profile_step=2)
+
+
+def test_reprofiles_when_inputs_change() -> None:
+    model = models.Stack(num_blocks=3)
+    steady = Throttled("host", write_bytes_per_s=50 * MiB)  # a stable measured bandwidth
+    with tba.configure_tensor_cache(model, offloader=steady, offload_devices=("cpu",),
+                                    min_offload_bytes=0, adaptive=True, profile_step=1) as cache:
+        model(torch.randn(8, 16)).backward()
+        first = cache.adaptive_decision
+        model(torch.randn(8, 16)).backward()
+        assert cache.adaptive_decision is first
+        model(torch.randn(32, 16)).backward()  # new shape: profiled again at the next step
+        model(torch.randn(32, 16)).backward()
+        assert cache.adaptive_decision is not first
+
+
+def test_throttled_caps_bandwidth() -> None:
+    slow = Throttled("host", write_bytes_per_s=50 * MiB, read_bytes_per_s=100 * MiB)
+    src = torch.zeros(5 * MiB, dtype=torch.uint8)
+    start = time.perf_counter()
+    token = slow.store(src)
+    assert time.perf_counter() - start >= 0.09  # 5 MiB at 50 MiB/s
+    dst = torch.empty_like(src)
+    start = time.perf_counter()
+    slow.load(token, dst)
+    assert time.perf_counter() - start >= 0.045
+    slow.release(token)
+    slow.close()
+    with pytest.raises(ValueError, match="write_bytes_per_s=-1"):
+        Throttled("host", write_bytes_per_s=-1)
+
+
+# ---------------------------------------------------------------- summary and trace
+def test_summary_and_trace(tmp_path) -> None:
+    model = models.Stack(num_blocks=4)
+    with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
+                                    min_offload_bytes=0, keep_last_modules=1) as cache:
+        for _ in range(2):
+            loss = model(torch.randn(16, 16))
+            while cache._transfers.inflight_bytes:
+                time.sleep(0.005)
+            loss.backward()
+        stats = cache.stats()
+        table = cache.summary()
+        path = tmp_path / "trace.json"
+        count = cache.export_trace(str(path))
+    assert "offloaded MiB" in table and "0-2 of 4" in table
+    assert len(table.splitlines()) == 4
+    trace = json.loads(path.read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+    assert count == len(events)
+    stores = [e for e in events if e["name"] == "store"]
+    loads = [e for e in events if e["name"] == "load"]
+    assert len(stores) == stats.num_offloaded
+    assert sum(e["args"]["bytes"] for e in stores) == stats.offloaded_bytes
+    assert sum(e["args"]["bytes"] for e in loads) == stats.reloaded_bytes
+    assert all(e.get("dur", 0) >= 0 and {"ts", "pid", "tid"} <= e.keys() for e in events)
+    assert any(e["name"] == "thread_name" for e in trace["traceEvents"])
