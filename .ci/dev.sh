@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up a fresh machine and run tba's main job or its tests (the README's two commands).
+#   bash .ci/dev.sh main [rok_curve.py args...]   # ROK benchmark: PNG + CSV + JSON under out/rok
+#   bash .ci/dev.sh test [pytest args...]         # the test suite
+# Set-up is idempotent: a virtual environment in .venv with torch 2.13.0 (never upgraded),
+# tba installed editable with its test and benchmark extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-}
+shift || true
+case "$what" in main|test) ;; *) echo "usage: bash .ci/dev.sh main|test [args...]" >&2; exit 2 ;; esac
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! python -c "import torch" 2>/dev/null; then
+  pip install -q torch==2.13.0
+fi
+# Pin whatever torch is installed so no dependency can upgrade it.
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
+pip install -q -c "$constraints" -e ".[test,bench]"
+bash .ci/install_optional.sh "$constraints"
+
+if [ "$what" = main ]; then
+  exec python benchmarks/rok_curve.py "$@"
+fi
+exec python -m pytest -q -p no:cacheprovider "$@"
