@@ -1,0 +1,113 @@
+"""Which tensor cache serves which module, so a patched scheduler can find it.
+
+``tba.configure_tensor_cache`` calls :func:`register` for the module it hooks, and
+``TensorCache.close`` calls :func:`unregister`. A patched pipeline scheduler only knows the
+module it is about to run (a pipeline stage's ``submod``, a Megatron model chunk, a DeepSpeed
+``PipelineModule``), so :func:`lookup` accepts that module, a wrapper around the registered
+module (DDP, Float16Module, ...), or a submodule of it.
+
+The registry is per process and holds weak references to modules: it never keeps a model
+alive. It is the only state the integrations share besides their patch records.
+
+Example:
+    >>> from tba.integrations import registry
+    >>> registry.register(cache, stage_module)  # done by configure_tensor_cache
+    >>> registry.lookup(stage_module) is cache
+    True
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["CacheLike", "register", "unregister", "lookup", "registered"]
+
+
+class CacheLike(Protocol):
+    """What the integrations need from a tensor cache (``tba.TensorCache`` satisfies it)."""
+
+    def set_stage(
+        self,
+        *,
+        microbatch: int | None,
+        action: str,
+        stage: int = 0,
+        next_microbatch: int | None = None,
+        next_action: str | None = None,
+        next_stage: int | None = None,
+    ) -> None: ...
+
+
+_lock = threading.Lock()
+# module -> cache; weak on the module so a dropped model leaves the registry by itself.
+_caches: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+# Memo of lookup() answers for modules that are not registered themselves; cleared on change.
+_memo: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def register(cache: Any, module: torch.nn.Module) -> None:
+    """Record that ``cache`` holds the activations of ``module`` (and its submodules).
+
+    Raises:
+        ValueError: ``module`` already has a different cache; close that one first.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"register() expects a torch.nn.Module, got {type(module).__name__}")
+    with _lock:
+        current = _caches.get(module)
+        if current is not None and current is not cache:
+            raise ValueError(
+                f"{type(module).__name__} already has a tensor cache registered; close it "
+                "(cache.close()) before configuring another one for the same module"
+            )
+        _caches[module] = cache
+        _memo.clear()
+
+
+def unregister(cache_or_module: Any) -> None:
+    """Forget a cache (every module it was registered for) or one module. Idempotent."""
+    with _lock:
+        if isinstance(cache_or_module, torch.nn.Module):
+            _caches.pop(cache_or_module, None)
+        else:
+            for module in [m for m, c in _caches.items() if c is cache_or_module]:
+                del _caches[module]
+        _memo.clear()
+
+
+def lookup(module: torch.nn.Module) -> Any | None:
+    """The cache serving ``module``, or ``None``.
+
+    Tried in order: ``module`` itself; a registered module inside ``module`` (``module`` wraps
+    it: DDP, Float16Module, a pipeline stage container); a registered module that contains
+    ``module``. When several match, the first registered wins.
+    """
+    with _lock:
+        found = _caches.get(module)
+        if found is not None:
+            return found
+        if module in _memo:
+            return _memo[module]
+        found = None
+        inner = {id(m) for m in module.modules()}
+        for registered_module, cache in _caches.items():
+            if id(registered_module) in inner:
+                found = cache
+                break
+        if found is None:
+            for registered_module, cache in _caches.items():
+                if any(m is module for m in registered_module.modules()):
+                    found = cache
+                    break
+        _memo[module] = found
+        return found
+
+
+def registered() -> list[tuple[torch.nn.Module, Any]]:
+    """Every (module, cache) pair currently registered, for debugging and tests."""
+    with _lock:
+        return list(_caches.items())
