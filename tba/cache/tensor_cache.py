@@ -99,7 +99,11 @@ class TensorCache:
         self._param_ptrs: frozenset[int] = frozenset()
         self._grad_fn_hooks: list[Any] = []
         self._hint: StageHint | None = None
-        self.stage_log: list[tuple[int, int | None, str]] = []
+        # What set_stage saw, in order (bounded): the integrations' tests compare it with the
+        # schedule's own order.
+        self.stage_log: collections.deque[tuple[int, int | None, str]] = collections.deque(
+            maxlen=1 << 16
+        )
         self._window_open = False
         self._window_backward = False
         self._last = CacheStats()
@@ -466,7 +470,13 @@ class TensorCache:
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
             self._transfers.drop(entry)
-            if not self._entries and self._window_open and self._window_backward:
+            # The step is over when everything it saved is released: after backward, or
+            # because a graph died without one (forward-only with grad enabled).
+            if (
+                not self._entries
+                and self._window_open
+                and (self._window_backward or self._hooks_ctx is None)
+            ):
                 self._close_window()
 
     def _close_window(self) -> None:
@@ -474,6 +484,7 @@ class TensorCache:
         self._window_open = False
         self._window_backward = False
         self._records.clear()
+        self._grad_fn_hooks.clear()  # their graphs are gone; a live one only finds a no-op
         self._last = step
         self._total = self._total.merged(step)
         self._steps_done += 1

@@ -162,3 +162,55 @@ def test_module_list_free_model_uses_children_as_blocks() -> None:
         assert cache.num_blocks == 3
         model(torch.randn(2, 4)).sum().backward()
         assert cache.stats().num_packed > 0
+
+
+def test_forward_without_backward_ends_the_step_and_leaks_nothing() -> None:
+    model = models.Stack(num_blocks=3)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0,
+                                    keep_last_modules=0) as cache:
+        for step in range(5):
+            model(models.vector_batch(step))  # graph dropped without backward (eval with grad)
+        assert cache.stats(cumulative=True).num_steps == 5
+        assert not cache._entries and not cache._records and not cache._grad_fn_hooks
+        model(models.vector_batch(9)).backward()
+        assert cache.stats().num_packed > 0
+
+
+def test_retain_graph_keeps_tensors_until_the_graph_dies() -> None:
+    torch.manual_seed(0)
+    model = models.Stack(num_blocks=3)
+    twin = copy.deepcopy(model)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0,
+                                    keep_last_modules=0):
+        torch.manual_seed(1)
+        loss = model(models.vector_batch(0))
+        loss.backward(retain_graph=True)
+        loss.backward()  # second backward reads the offloaded tensors again
+    torch.manual_seed(1)
+    ref = twin(models.vector_batch(0))
+    ref.backward(retain_graph=True)
+    ref.backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_error_in_forward_leaves_no_hooks_active() -> None:
+    class Boom(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.blocks[0](x).exp()
+            raise RuntimeError("boom")
+
+    model = Boom()
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0) as cache:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(2, 4, requires_grad=True))
+        assert cache._hooks_ctx is None
+        # Tensors saved now are autograd's own again.
+        x = torch.randn(3, requires_grad=True)
+        before = cache.stats(cumulative=True).num_packed
+        x.exp().sum().backward()
+        assert cache.stats(cumulative=True).num_packed == before

@@ -1,0 +1,203 @@
+"""The tensors autograd saves in one training step of a GPT, BERT or T5, term by term.
+
+Private helper of :mod:`tba.plan`. Every term names one saved tensor (or one group of saved
+tensors of identical size), so the accounting can be read, checked against a hook-based count
+(``tba._plan_measure``) and argued about. Sizes are bytes of *distinct storages*: a tensor
+saved by several ops (the output of ``softmax`` saved by both ``softmax`` and the next
+``matmul``) counts once, the way tba's cache writes it once. Parameters and their views are
+never counted.
+
+Notation: ``b`` micro-batch, ``s`` sequence length, ``T = b*s`` tokens, ``h`` hidden size,
+``f`` feed-forward size, ``i = heads*head_dim`` attention width, ``a`` heads, ``D`` bytes per
+activation element, ``M`` bytes per dropout-mask element, ``S`` bytes per softmax-output
+element, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tba.plan import Accounting, ModelShape
+
+__all__ = ["ActivationTerm", "model_terms"]
+
+_INT64_BYTES = 8
+_FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ActivationTerm:
+    """One saved tensor (or group) of a step.
+
+    Attributes:
+        name: dotted name, ``<scope>.<module>.<tensor>``, e.g. ``layer.mlp.act_input``.
+        bytes_each: bytes of one instance.
+        count: instances per step (the number of layers for per-layer terms).
+        formula: the size in the notation of this module's docstring.
+    """
+
+    name: str
+    bytes_each: int
+    count: int
+    formula: str
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_each * self.count
+
+
+class _Builder:
+    def __init__(self, acc: Accounting) -> None:
+        self.acc = acc
+        self.D = acc.dtype_bytes
+        self.M = acc.dropout_mask_bytes
+        self.S = acc.softmax_bytes if acc.softmax_bytes is not None else acc.dtype_bytes
+        self.terms: list[ActivationTerm] = []
+        self.scope = "model"
+        self.count = 1
+
+    def add(self, name: str, num_bytes: int, formula: str) -> None:
+        if num_bytes:
+            self.terms.append(ActivationTerm(f"{self.scope}.{name}", int(num_bytes), self.count, formula))
+
+    def norm(self, name: str, T: int, h: int, kind: str) -> None:
+        if kind == "layernorm":
+            self.add(f"{name}.input", T * h * self.D, "T*h*D")
+            if self.acc.norm_stats:
+                self.add(f"{name}.mean_rstd", 2 * T * _FP32_BYTES, "2*T*4")
+        elif self.acc.fused_norm:  # rmsnorm, fused kernel: input and rstd
+            self.add(f"{name}.input", T * h * self.D, "T*h*D")
+            if self.acc.norm_stats:
+                self.add(f"{name}.rstd", T * _FP32_BYTES, "T*4")
+        else:  # HF T5LayerNorm, op by op: x.float() (pow, mul), x*rsqrt (weight*), rsqrt
+            self.add(f"{name}.input_fp32", T * h * _FP32_BYTES, "T*h*4")
+            self.add(f"{name}.normalized", T * h * self.D, "T*h*D")
+            if self.acc.norm_stats:
+                self.add(f"{name}.rstd", T * _FP32_BYTES, "T*4")
+
+    def dropout_mask(self, name: str, num_elements: int, formula: str) -> None:
+        if self.acc.dropout:
+            self.add(f"{name}.dropout_mask", num_elements * self.M, f"{formula}*M")
+
+    def attention(self, name: str, b: int, s_q: int, s_kv: int, shape: ModelShape, *, q_input: bool = True,
+                  kv_input: bool = True) -> None:
+        """Attention of ``s_q`` queries over ``s_kv`` keys; ``*_input`` says whether the
+        inputs of the projections are counted here (not when shared with another term)."""
+        D, i, a, h = self.D, shape.attention_width, shape.num_heads, shape.hidden_size
+        Tq, Tkv = b * s_q, b * s_kv
+        if q_input:
+            self.add(f"{name}.qkv_input" if kv_input else f"{name}.q_input", Tq * h * D, "T*h*D")
+        elif kv_input:
+            self.add(f"{name}.kv_input", Tkv * h * D, "T_kv*h*D")
+        self.add(f"{name}.q", Tq * i * D, "T*i*D")
+        self.add(f"{name}.k", Tkv * i * D, "T_kv*i*D")
+        self.add(f"{name}.v", Tkv * i * D, "T_kv*i*D")
+        scores = b * a * s_q * s_kv
+        f_scores = "a*s*s_kv*b" if s_q != s_kv else "a*s^2*b"
+        if self.acc.attention == "flash":
+            self.add(f"{name}.logsumexp", b * a * s_q * _FP32_BYTES, "a*T*4")
+        else:
+            self.add(f"{name}.softmax_output", scores * self.S, f"{f_scores}*S")
+            if self.acc.dropout:
+                self.add(f"{name}.probs_dropout_mask", scores * self.M, f"{f_scores}*M")
+                self.add(f"{name}.probs_after_dropout", scores * D, f"{f_scores}*D")
+            elif self.S != D:
+                self.add(f"{name}.probs_cast", scores * D, f"{f_scores}*D")
+        self.add(f"{name}.out_proj_input", Tq * i * D, "T*i*D")
+
+    def mlp(self, name: str, T: int, shape: ModelShape) -> None:
+        D, h, f = self.D, shape.hidden_size, shape.ffn_size
+        self.add(f"{name}.fc1_input", T * h * D, "T*h*D")
+        act = shape.activation
+        if act == "gelu":
+            self.add(f"{name}.act_input", T * f * D, "T*f*D")
+        elif act == "gelu_unfused":
+            self.add(f"{name}.act_input", T * f * D, "T*f*D")
+            self.add(f"{name}.act_intermediates", 3 * T * f * D, "3*T*f*D")
+        if shape.arch == "t5" and self.acc.dropout:  # relu -> dropout -> wo
+            self.add(f"{name}.act_output", T * f * D, "T*f*D")
+            self.dropout_mask(f"{name}.act", T * f, "T*f")
+        self.add(f"{name}.fc2_input", T * f * D, "T*f*D")
+
+    def loss(self, T: int, shape: ModelShape) -> None:
+        self.add("lm_head.input", T * shape.hidden_size * self.D, "T*h*D")
+        self.add("loss.log_softmax", T * shape.vocab_size * self.acc.loss_bytes, "T*V*4")
+        self.add("loss.labels", T * _INT64_BYTES, "T*8")
+
+
+def model_terms(shape: ModelShape, batch_size: int, acc: Accounting) -> list[ActivationTerm]:
+    """Every term of one forward pass of ``shape`` at micro-batch ``batch_size``."""
+    B = _Builder(acc)
+    b, s, h = batch_size, shape.seq_len, shape.hidden_size
+    T = b * s
+    if shape.arch in ("gpt", "bert"):
+        B.scope, B.count = "layer", shape.num_layers
+        if shape.arch == "gpt":  # pre-LN: x + attn(ln_1(x)); x + mlp(ln_2(x))
+            B.norm("ln_1", T, h, "layernorm")
+            B.attention("attn", b, s, s, shape)
+            B.dropout_mask("attn.out", T * h, "T*h")
+            B.norm("ln_2", T, h, "layernorm")
+            B.mlp("mlp", T, shape)
+            B.dropout_mask("mlp.out", T * h, "T*h")
+        else:  # post-LN: ln_1(x + attn(x)); ln_2(y + mlp(y)); the attention input is the layer input
+            B.attention("attn", b, s, s, shape)
+            B.dropout_mask("attn.out", T * h, "T*h")
+            B.norm("ln_1", T, h, "layernorm")
+            B.mlp("mlp", T, shape)
+            B.dropout_mask("mlp.out", T * h, "T*h")
+            B.norm("ln_2", T, h, "layernorm")
+        if acc.include_head:
+            B.scope, B.count = "model", 1
+            B.add("embed.token_ids", T * _INT64_BYTES, "T*8")
+            B.add("embed.position_ids", s * _INT64_BYTES, "s*8")
+            if shape.arch == "gpt":
+                B.dropout_mask("embed", T * h, "T*h")
+                B.norm("ln_f", T, h, "layernorm")
+            else:
+                B.add("embed.token_type_ids", T * _INT64_BYTES, "T*8")
+                B.norm("embed_ln", T, h, "layernorm")
+                B.dropout_mask("embed", T * h, "T*h")
+                B.add("mlm_head.dense_input", T * h * B.D, "T*h*D")
+                B.add("mlm_head.act_input", T * h * B.D, "T*h*D")
+                B.norm("mlm_head.ln", T, h, "layernorm")
+            B.loss(T, shape)
+        return B.terms
+
+    # t5: encoder layers over s, decoder layers over s_dec (self + cross attention)
+    s_dec = shape.decoder_seq_len
+    T_dec = b * s_dec
+    B.scope, B.count = "enc_layer", shape.num_layers
+    B.norm("ln_attn", T, h, "rmsnorm")
+    B.attention("attn", b, s, s, shape)
+    B.dropout_mask("attn.out", T * h, "T*h")
+    B.norm("ln_mlp", T, h, "rmsnorm")
+    B.mlp("mlp", T, shape)
+    B.dropout_mask("mlp.out", T * h, "T*h")
+    B.scope, B.count = "dec_layer", shape.num_decoder_layers
+    B.norm("ln_attn", T_dec, h, "rmsnorm")
+    B.attention("attn", b, s_dec, s_dec, shape)
+    B.dropout_mask("attn.out", T_dec * h, "T_dec*h")
+    B.norm("ln_cross", T_dec, h, "rmsnorm")
+    B.attention("cross", b, s_dec, s, shape, kv_input=False)  # k/v input: the encoder output, once
+    B.dropout_mask("cross.out", T_dec * h, "T_dec*h")
+    B.norm("ln_mlp", T_dec, h, "rmsnorm")
+    B.mlp("mlp", T_dec, shape)
+    B.dropout_mask("mlp.out", T_dec * h, "T_dec*h")
+    B.scope, B.count = "model", 1
+    B.add("enc.output", T * h * B.D, "T*h*D")  # saved by the k/v projections of every cross attention
+    if acc.include_head:
+        B.scope, B.count = "model", 1
+        B.add("enc.token_ids", T * _INT64_BYTES, "T*8")
+        B.add("enc.position_buckets", s * s * _INT64_BYTES, "s^2*8")
+        B.dropout_mask("enc.embed", T * h, "T*h")
+        B.norm("enc.ln_f", T, h, "rmsnorm")
+        B.dropout_mask("enc.out", T * h, "T*h")
+        B.add("dec.token_ids", T_dec * _INT64_BYTES, "T_dec*8")
+        B.add("dec.position_buckets", s_dec * s_dec * _INT64_BYTES, "s_dec^2*8")
+        B.dropout_mask("dec.embed", T_dec * h, "T_dec*h")
+        B.norm("dec.ln_f", T_dec, h, "rmsnorm")
+        B.dropout_mask("dec.out", T_dec * h, "T_dec*h")
+        B.loss(T_dec, shape)
+    return B.terms

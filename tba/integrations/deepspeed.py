@@ -1,0 +1,283 @@
+"""Pipeline hints from DeepSpeed's ``PipelineEngine``.
+
+``PipelineEngine._exec_schedule`` walks a ``PipeSchedule`` (a generator of instruction lists,
+one list per pipeline step) and dispatches each instruction through the class dict
+``PipelineEngine._INSTRUCTION_MAP``. :func:`patch` wraps ``_exec_schedule`` (to expand the
+schedule, which is a pure function of (micro_batches, stages, stage_id), into this rank's
+instruction list) and every entry of ``_INSTRUCTION_MAP`` (to follow execution).
+
+Each ``ForwardPass`` / ``BackwardPass`` is announced to the cache of ``engine.module`` at the
+*first instruction after the previous compute instruction*: the communication
+(``RecvGrad``, ``SendActivation``, ``SendGrad``, ``RecvActivation``) and ``LoadMicroBatch``
+instructions that precede it. So while a backward's gradients arrive from the next stage, its
+activations are already being read back. The microbatch comes from the schedule
+(``TrainSchedule._step_to_micro_batch``; ``InferenceSchedule``: ``step - stage_id``); the stage
+is ``engine.stage_id``.
+
+Schedules other than ``TrainSchedule``, ``InferenceSchedule`` and ``DataParallelSchedule``
+(or an execution that departs from the expanded list) fall back to announcing at the compute
+instruction itself, with the microbatch tracked through the instruction's ``buffer_id`` and
+no look-ahead. ``DualPipeVEngine`` (its own instruction map) is not hinted.
+
+Example:
+    >>> import tba, tba.integrations.deepspeed as tds
+    >>> tds.patch()
+    >>> engine, *_ = deepspeed.initialize(model=pipeline_module, config=ds_config, ...)
+    >>> cache = tba.configure_tensor_cache(engine.module, offloader="ssd")
+    >>> engine.train_batch(data_iter)
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from tba.integrations import registry
+from tba.integrations._hints import Plan, Step, announce
+from tba.integrations._patching import (
+    PatchSet,
+    VersionRange,
+    installed_version,
+    require_attr,
+    require_params,
+    warn_if_untested,
+)
+
+__all__ = ["patch", "unpatch", "is_patched", "TESTED_VERSIONS"]
+
+logger = logging.getLogger(__name__)
+
+_ENGINE = "deepspeed"
+#: DeepSpeed versions this integration was run against (CPU accelerator, gloo).
+TESTED_VERSIONS = VersionRange("0.19.8", "0.20")
+
+_patches = PatchSet(_ENGINE)
+_runs: list[_Run] = []
+
+_INSTRUCTIONS = (
+    "ForwardPass",
+    "BackwardPass",
+    "LoadMicroBatch",
+    "SendActivation",
+    "RecvActivation",
+    "SendGrad",
+    "RecvGrad",
+    "ReduceGrads",
+    "ReduceTiedGrads",
+    "OptimizerStep",
+)
+
+
+def is_patched() -> bool:
+    return _patches.active
+
+
+def _check(version: str) -> tuple[Any, Any]:
+    from deepspeed.runtime.pipe import engine, schedule
+
+    pipeline_engine = require_attr(engine, "PipelineEngine", _ENGINE, version, TESTED_VERSIONS)
+    instruction_map = require_attr(
+        pipeline_engine, "_INSTRUCTION_MAP", _ENGINE, version, TESTED_VERSIONS
+    )
+    require_params(
+        require_attr(pipeline_engine, "_exec_schedule", _ENGINE, version, TESTED_VERSIONS),
+        ["pipe_schedule"],
+        _ENGINE,
+        version,
+        TESTED_VERSIONS,
+        positional_prefix=["self", "pipe_schedule"],
+    )
+    for name in _INSTRUCTIONS:
+        cls = require_attr(schedule, name, _ENGINE, version, TESTED_VERSIONS)
+        if not isinstance(instruction_map, dict) or cls not in instruction_map:
+            raise _missing_instruction(version, name)
+    for name in ("ForwardPass", "BackwardPass"):
+        require_params(
+            instruction_map[getattr(schedule, name)],
+            ["buffer_id"],
+            _ENGINE,
+            version,
+            TESTED_VERSIONS,
+        )
+    train = require_attr(schedule, "TrainSchedule", _ENGINE, version, TESTED_VERSIONS)
+    require_params(
+        require_attr(train, "_step_to_micro_batch", _ENGINE, version, TESTED_VERSIONS),
+        ["step_id"],
+        _ENGINE,
+        version,
+        TESTED_VERSIONS,
+    )
+    for name in ("InferenceSchedule", "DataParallelSchedule", "PipeSchedule"):
+        require_attr(schedule, name, _ENGINE, version, TESTED_VERSIONS)
+    return pipeline_engine, schedule
+
+
+def _missing_instruction(version: str, name: str) -> Exception:
+    from tba.integrations._patching import _mismatch
+
+    return _mismatch(
+        _ENGINE, version, TESTED_VERSIONS, f"PipelineEngine._INSTRUCTION_MAP has no {name}"
+    )
+
+
+def patch() -> None:
+    """Install the hint wrappers. Idempotent; undone by :func:`unpatch`.
+
+    Raises:
+        IntegrationVersionError: DeepSpeed's pipeline engine differs from the checked one.
+        ImportError: DeepSpeed is not installed (``pip install 'tba[integrations]'``).
+    """
+    if _patches.active:
+        return
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            "tba.integrations.deepspeed needs deepspeed: pip install 'tba[integrations]'"
+        ) from exc
+    version = installed_version("deepspeed", deepspeed)
+    pipeline_engine, schedule = _check(version)
+    warn_if_untested(_ENGINE, version, TESTED_VERSIONS)
+    try:  # Engines that copy the map at import (DualPipeV) must copy the originals.
+        import deepspeed.runtime.pipe.dualpipev  # noqa: F401
+    except ImportError:
+        pass
+    instruction_map = pipeline_engine._INSTRUCTION_MAP
+    for cls in list(instruction_map):
+        _patches.replace_item(
+            instruction_map, cls, _wrap_instruction(cls, instruction_map[cls], schedule)
+        )
+    _patches.replace_attr(
+        pipeline_engine, "_exec_schedule", _wrap_exec_schedule(pipeline_engine._exec_schedule)
+    )
+
+
+def unpatch() -> None:
+    """Restore ``_exec_schedule`` and the instruction map. Idempotent."""
+    _patches.restore()
+    _runs.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# One _exec_schedule call
+
+
+class _Run:
+    def __init__(self, engine: Any, pipe_schedule: Any) -> None:
+        from deepspeed.runtime.pipe import schedule
+
+        self.engine = engine
+        self.stage = int(engine.stage_id)
+        self.cache = registry.lookup(engine.module)
+        # Expected instruction stream: (instruction type, buffer_id) per instruction.
+        self.expected: list[tuple[type, Any]] = []
+        # Instruction index -> the compute step announced when execution reaches it.
+        self.announce_at: dict[int, Step] = {}
+        # Instruction index of each ForwardPass/BackwardPass -> its step.
+        self.compute_at: dict[int, Step] = {}
+        self.cursor = 0
+        self.lost = True
+        # Fallback bookkeeping: buffer -> microbatch last forwarded into it.
+        self.buffer_microbatch: dict[Any, int] = {}
+        self.num_forwards = 0
+        steps: list[Step] = []
+        microbatch_of = _microbatch_function(schedule, pipe_schedule)
+        if microbatch_of is not None:
+            announce_from = 0
+            for step_id, cmds in enumerate(pipe_schedule.steps()):
+                for cmd in cmds:
+                    index = len(self.expected)
+                    self.expected.append((type(cmd), cmd.kwargs.get("buffer_id")))
+                    if type(cmd) in (schedule.ForwardPass, schedule.BackwardPass):
+                        action = "forward" if type(cmd) is schedule.ForwardPass else "backward"
+                        step = Step(self.stage, int(microbatch_of(step_id)), action)
+                        steps.append(step)
+                        self.compute_at[index] = step
+                        self.announce_at[announce_from] = step
+                        announce_from = index + 1
+            self.lost = False
+        self.plan = Plan(steps, lambda stage: self.cache if stage == self.stage else None)
+
+    def before(self, cls: type, kwargs: dict[str, Any], schedule: Any) -> None:
+        if not self.lost:
+            index = self.cursor
+            expected = self.expected[index] if index < len(self.expected) else None
+            if expected == (cls, kwargs.get("buffer_id")):
+                self.cursor += 1
+                step = self.announce_at.get(index)
+                if step is not None:
+                    self.plan.announce(step, self.cache)
+                compute = self.compute_at.get(index)
+                if compute is not None and compute.action == "forward":
+                    self.buffer_microbatch[kwargs.get("buffer_id")] = compute.microbatch
+                    self.num_forwards += 1
+                return
+            logger.warning(
+                "tba.integrations.deepspeed: instruction %s(%s) at position %d departs from the "
+                "schedule (expected %s); hints continue without look-ahead",
+                cls.__name__,
+                kwargs,
+                index,
+                expected,
+            )
+            self.lost = True
+        self._fallback(cls, kwargs, schedule)
+
+    def _fallback(self, cls: type, kwargs: dict[str, Any], schedule: Any) -> None:
+        buffer_id = kwargs.get("buffer_id")
+        if cls is schedule.ForwardPass:
+            microbatch = self.num_forwards
+            self.num_forwards += 1
+            self.buffer_microbatch[buffer_id] = microbatch
+            action = "forward"
+        elif cls is schedule.BackwardPass and buffer_id in self.buffer_microbatch:
+            microbatch = self.buffer_microbatch[buffer_id]
+            action = "backward"
+        else:
+            return
+        if self.cache is not None:
+            announce(self.cache, Step(self.stage, microbatch, action), None)  # type: ignore[arg-type]
+
+
+def _microbatch_function(schedule: Any, pipe_schedule: Any) -> Any:
+    kind = type(pipe_schedule)
+    if kind is schedule.TrainSchedule:
+        return lambda step_id: pipe_schedule._step_to_micro_batch(step_id)[0]
+    if kind is schedule.InferenceSchedule:
+        return lambda step_id: step_id - pipe_schedule.stage_id
+    if kind is schedule.DataParallelSchedule:
+        return lambda step_id: step_id
+    logger.debug("tba.integrations.deepspeed: %s is not expanded; no look-ahead", kind.__name__)
+    return None
+
+
+def _wrap_exec_schedule(original: Any) -> Any:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    @functools.wraps(original)
+    def _exec_schedule(self: Any, pipe_schedule: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(self)._INSTRUCTION_MAP is not PipelineEngine._INSTRUCTION_MAP:
+            return original(self, pipe_schedule, *args, **kwargs)  # e.g. DualPipeVEngine
+        run = _Run(self, pipe_schedule)
+        _runs.append(run)
+        try:
+            return original(self, pipe_schedule, *args, **kwargs)
+        finally:
+            _runs.remove(run)
+
+    _exec_schedule.__tba_original__ = original  # type: ignore[attr-defined]
+    return _exec_schedule
+
+
+def _wrap_instruction(cls: type, original: Any, schedule: Any) -> Any:
+    @functools.wraps(original)
+    def instruction(self: Any, **kwargs: Any) -> Any:
+        for run in reversed(_runs):
+            if run.engine is self:
+                run.before(cls, kwargs, schedule)
+                break
+        return original(self, **kwargs)
+
+    instruction.__tba_original__ = original  # type: ignore[attr-defined]
+    return instruction

@@ -1,0 +1,291 @@
+"""Pipeline hints from ``torch.distributed.pipelining``.
+
+:func:`patch` wraps three methods of ``_PipelineStageBase`` (``forward_one_chunk``,
+``backward_one_chunk``, ``backward_weight_one_chunk``: they carry the stage and the
+microbatch) and ``step`` of ``PipelineScheduleSingle`` / ``PipelineScheduleMulti`` (to read the
+schedule's own per-rank order, ``pipeline_order_with_comms`` or ``pipeline_order``, for the
+look-ahead). Before each compute action, the cache registered for the stage's ``submod`` (see
+:mod:`tba.integrations.registry`) gets ``set_stage(stage=stage_index, microbatch=..., action=
+"forward" | "backward" | "input_grad" | "weight_grad", next_...=<its next action>)``.
+
+Checked with ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV.
+
+Example:
+    >>> import tba, tba.integrations.torch_pipelining as tp
+    >>> tp.patch()
+    >>> cache = tba.configure_tensor_cache(stage.submod, offloader="host")
+    >>> schedule = ScheduleInterleaved1F1B([stage0, stage2], n_microbatches=8, loss_fn=loss)
+    >>> schedule.step(x, target=y)  # the cache now sees every (stage, microbatch, action)
+    >>> tp.unpatch()
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from tba.integrations import registry
+from tba.integrations._hints import Action, Plan, Step, announce
+from tba.integrations._patching import (
+    PatchSet,
+    VersionRange,
+    require_attr,
+    require_params,
+    warn_if_untested,
+)
+
+__all__ = ["patch", "unpatch", "is_patched", "TESTED_VERSIONS", "plan_for"]
+
+logger = logging.getLogger(__name__)
+
+_ENGINE = "torch_pipelining"
+#: torch versions this integration was run against (CPU, gloo).
+TESTED_VERSIONS = VersionRange("2.13", "2.14")
+
+_patches = PatchSet(_ENGINE)
+# Schedule runs in progress in this process (innermost last).
+_runs: list[tuple[Any, Plan]] = []
+
+_ACTION_OF_TYPE: dict[str, Action] = {
+    "F": "forward",
+    "B": "backward",
+    "I": "input_grad",
+    "W": "weight_grad",
+}
+
+
+def is_patched() -> bool:
+    return _patches.active
+
+
+def _check(version: str) -> tuple[Any, Any, Any]:
+    from torch.distributed.pipelining import schedules, stage
+
+    base = require_attr(stage, "_PipelineStageBase", _ENGINE, version, TESTED_VERSIONS)
+    require_params(
+        require_attr(base, "forward_one_chunk", _ENGINE, version, TESTED_VERSIONS),
+        ["fwd_chunk_id", "args", "kwargs"],
+        _ENGINE,
+        version,
+        TESTED_VERSIONS,
+        positional_prefix=["self", "fwd_chunk_id"],
+    )
+    require_params(
+        require_attr(base, "backward_one_chunk", _ENGINE, version, TESTED_VERSIONS),
+        ["bwd_chunk_id", "loss", "full_backward", "last_backward"],
+        _ENGINE,
+        version,
+        TESTED_VERSIONS,
+        positional_prefix=["self", "bwd_chunk_id", "loss", "full_backward"],
+    )
+    require_params(
+        require_attr(base, "backward_weight_one_chunk", _ENGINE, version, TESTED_VERSIONS),
+        ["bwd_chunk_id"],
+        _ENGINE,
+        version,
+        TESTED_VERSIONS,
+        positional_prefix=["self", "bwd_chunk_id"],
+    )
+    for cls_name in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
+        cls = require_attr(schedules, cls_name, _ENGINE, version, TESTED_VERSIONS)
+        require_attr(cls, "step", _ENGINE, version, TESTED_VERSIONS)
+    require_attr(schedules, "_Action", _ENGINE, version, TESTED_VERSIONS)
+    require_attr(schedules, "_ComputationType", _ENGINE, version, TESTED_VERSIONS)
+    for member in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "OVERLAP_F_B"):
+        require_attr(schedules._ComputationType, member, _ENGINE, version, TESTED_VERSIONS)
+    return base, schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti
+
+
+def patch() -> None:
+    """Install the hint wrappers. Idempotent; undone by :func:`unpatch`.
+
+    Raises:
+        IntegrationVersionError: torch's pipelining internals differ from the checked ones.
+    """
+    if _patches.active:
+        return
+    version = torch.__version__
+    base, single, multi = _check(version)
+    warn_if_untested(_ENGINE, version, TESTED_VERSIONS)
+    _patches.replace_attr(base, "forward_one_chunk", _wrap_forward(base.forward_one_chunk))
+    _patches.replace_attr(base, "backward_one_chunk", _wrap_backward(base.backward_one_chunk))
+    _patches.replace_attr(
+        base, "backward_weight_one_chunk", _wrap_weight(base.backward_weight_one_chunk)
+    )
+    _patches.replace_attr(single, "step", _wrap_step(single.step))
+    _patches.replace_attr(multi, "step", _wrap_step(multi.step))
+
+
+def unpatch() -> None:
+    """Restore the original methods. Idempotent."""
+    _patches.restore()
+    _runs.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule's plan for this rank
+
+
+def _schedule_stages(schedule: Any) -> list[Any]:
+    if hasattr(schedule, "_stages"):
+        return list(schedule._stages)
+    return [schedule._stage]
+
+
+def _single_stage_plan(schedule: Any) -> list[Step] | None:
+    """GPipe and 1F1B run their own loops; their ``pipeline_order`` is only a picture and is
+    wrong for 1F1B's last stage in torch 2.13 (it lists F1..F4 where F0..F3 run). Mirror the
+    loops of ``_step_microbatches`` instead."""
+    from torch.distributed.pipelining import schedules
+
+    cls = type(schedule)
+    stage = schedule._stage
+    n = schedule._n_microbatches
+    index = int(stage.stage_index)
+    backward = getattr(schedule, "_has_backward", True)
+    if cls._step_microbatches is schedules.ScheduleGPipe._step_microbatches:
+        steps = [Step(index, i, "forward") for i in range(n)]
+        return steps + ([Step(index, i, "backward") for i in range(n)] if backward else [])
+    if cls._step_microbatches is schedules.Schedule1F1B._step_microbatches:
+        if not backward:  # eval(): backward_one_chunk returns at once
+            return [Step(index, i, "forward") for i in range(n)]
+        warmup = min(n, schedule._num_stages - index)
+        steps = [Step(index, i, "forward") for i in range(warmup)]
+        fwd, bwd = warmup, 0
+        while True:
+            steps.append(Step(index, bwd, "backward"))
+            bwd += 1
+            if fwd == n:
+                break
+            steps.append(Step(index, fwd, "forward"))
+            fwd += 1
+        steps.extend(Step(index, i, "backward") for i in range(bwd, n))
+        return steps
+    return None
+
+
+def plan_for(schedule: Any) -> list[Step]:
+    """This rank's compute steps, in the order ``schedule.step()`` runs them.
+
+    Single-stage GPipe/1F1B: their loops, mirrored. Otherwise read from
+    ``pipeline_order_with_comms`` (what ``_PipelineScheduleRuntime`` executes) or
+    ``pipeline_order``; empty when the schedule has neither (no look-ahead then).
+    """
+    if hasattr(schedule, "_stage") and not hasattr(schedule, "_stages"):
+        mirrored = _single_stage_plan(schedule)
+        if mirrored is not None:
+            return mirrored
+    stages = _schedule_stages(schedule)
+    rank = getattr(schedule, "rank", None)
+    if rank is None:  # single-stage schedules key their order by stage index
+        rank = stages[0].stage_index
+    order = getattr(schedule, "pipeline_order_with_comms", None) or getattr(
+        schedule, "pipeline_order", None
+    )
+    if not order or rank not in order:
+        return []
+    has_backward = getattr(schedule, "_has_backward", True)
+    steps: list[Step] = []
+
+    def add(action: Any) -> None:
+        if action is None:
+            return
+        if action.sub_actions:
+            for sub in action.sub_actions:
+                add(sub)
+            return
+        kind = _ACTION_OF_TYPE.get(action.computation_type.value)
+        if kind is None or action.microbatch_index is None:
+            return  # communication, unshard, reduce-grad
+        if kind != "forward" and not has_backward:
+            return
+        steps.append(Step(int(action.stage_index), int(action.microbatch_index), kind))
+
+    for action in order[rank]:
+        add(action)
+    return steps
+
+
+def _make_plan(schedule: Any) -> Plan:
+    by_index = {s.stage_index: s for s in _schedule_stages(schedule)}
+
+    def cache_of_stage(stage_index: int) -> Any:
+        stage = by_index.get(stage_index)
+        return None if stage is None else registry.lookup(stage.submod)
+
+    return Plan(plan_for(schedule), cache_of_stage)
+
+
+def _plan_of(stage: Any) -> Plan | None:
+    for schedule, plan in reversed(_runs):
+        if any(s is stage for s in _schedule_stages(schedule)):
+            return plan
+    return None
+
+
+def _announce(stage: Any, microbatch: int, action: Action) -> None:
+    if action != "forward" and not getattr(stage, "has_backward", True):
+        return  # eval(): the stage returns without running backward
+    cache = registry.lookup(stage.submod)
+    if cache is None:
+        return
+    step = Step(int(stage.stage_index), int(microbatch), action)
+    plan = _plan_of(stage)
+    if plan is None:
+        announce(cache, step, None)
+    else:
+        plan.announce(step, cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _wrap_step(original: Any) -> Any:
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entry = (self, _make_plan(self))
+        _runs.append(entry)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _runs.remove(entry)
+
+    step.__tba_original__ = original  # type: ignore[attr-defined]
+    return step
+
+
+def _wrap_forward(original: Any) -> Any:
+    @functools.wraps(original)
+    def forward_one_chunk(self: Any, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        _announce(self, fwd_chunk_id, "forward")
+        return original(self, fwd_chunk_id, *args, **kwargs)
+
+    forward_one_chunk.__tba_original__ = original  # type: ignore[attr-defined]
+    return forward_one_chunk
+
+
+def _wrap_backward(original: Any) -> Any:
+    @functools.wraps(original)
+    def backward_one_chunk(self: Any, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        # (loss, full_backward, last_backward) follow bwd_chunk_id, checked in _check().
+        full_backward = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        _announce(self, bwd_chunk_id, "backward" if full_backward else "input_grad")
+        return original(self, bwd_chunk_id, *args, **kwargs)
+
+    backward_one_chunk.__tba_original__ = original  # type: ignore[attr-defined]
+    return backward_one_chunk
+
+
+def _wrap_weight(original: Any) -> Any:
+    @functools.wraps(original)
+    def backward_weight_one_chunk(self: Any, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        _announce(self, bwd_chunk_id, "weight_grad")
+        return original(self, bwd_chunk_id, *args, **kwargs)
+
+    backward_weight_one_chunk.__tba_original__ = original  # type: ignore[attr-defined]
+    return backward_weight_one_chunk

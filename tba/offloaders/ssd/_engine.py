@@ -1,0 +1,143 @@
+"""The I/O engine interface of the SSD offloader, the choice between engines, and I/O errors.
+
+An engine moves bytes between tensors and already-open slab files; it knows nothing of slabs,
+striping or tokens. Two exist: ``posix`` (always there) and ``kvikio`` (extra ``tba[gds]``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from tba.errors import OffloadIOError
+
+__all__ = ["EngineName", "IORequest", "IOEngine", "select_engine", "io_error"]
+
+logger = logging.getLogger(__name__)
+
+EngineName = Literal["auto", "kvikio", "posix"]
+
+_HINTS = {
+    errno.ENOSPC: "the drive is full: free space, add directories to ssd_dirs, or offload less",
+    errno.EDQUOT: "the disk quota is exhausted: raise the quota or use another directory",
+    errno.EFBIG: "a file size limit was hit (ulimit -f or the filesystem's maximum): raise the "
+    "limit or use a smaller slab_bytes",
+    errno.EIO: "the drive reported an I/O error: check the kernel log (dmesg) and the drive's health",
+    errno.EROFS: "the filesystem is read-only: use a writable directory in ssd_dirs",
+}
+
+
+def io_error(
+    what: str, *, path: str, offset: int, num_bytes: int, errno_code: int | None, detail: str = ""
+) -> OffloadIOError:
+    """An ``OffloadIOError`` for a failed transfer, with a hint on what to do."""
+    hint = _HINTS.get(errno_code or -1, "")
+    if errno_code is None and not hint:
+        hint = "the file is shorter than expected or the drive stopped accepting data"
+    message = f"SSD offload: {what}" + (f": {detail}" if detail else "") + (f"; {hint}" if hint else "")
+    return OffloadIOError(message, path=path, offset=offset, num_bytes=num_bytes, errno=errno_code)
+
+
+@dataclass(frozen=True)
+class IORequest:
+    """One contiguous transfer between ``buffer`` and ``file_offset`` of an open slab file."""
+
+    handle: Any
+    path: str
+    file_offset: int
+    buffer: torch.Tensor  # 1-D contiguous uint8; source of a write, destination of a read
+
+
+class IOEngine(Protocol):
+    """Moves bytes between tensors and slab files. Blocking and thread-safe."""
+
+    name: str
+
+    def open(self, path: str) -> Any:
+        """Open an existing, preallocated slab file; return the handle requests carry."""
+        ...
+
+    def close_file(self, handle: Any) -> None:
+        """Close a handle from :meth:`open`."""
+        ...
+
+    def write(self, requests: Sequence[IORequest]) -> None:
+        """Write every request's buffer; raise ``OffloadIOError`` after all have finished."""
+        ...
+
+    def read(self, requests: Sequence[IORequest]) -> None:
+        """Fill every request's buffer; raise ``OffloadIOError`` after all have finished."""
+        ...
+
+    def close(self) -> None:
+        """Stop threads and free staging memory. Idempotent."""
+        ...
+
+
+_logged_lock = threading.Lock()
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_choice(name: str, reason: str) -> None:
+    with _logged_lock:
+        first = (name, reason) not in _logged
+        _logged.add((name, reason))
+    logger.log(logging.INFO if first else logging.DEBUG, "tba SSD offloader: engine %s (%s)", name, reason)
+
+
+def _kvikio_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("kvikio") is not None
+
+
+def select_engine(
+    engine: str, *, chunk_bytes: int, num_io_threads: int, num_staging_buffers: int
+) -> IOEngine:
+    """Build the engine named by ``engine`` (``"auto"`` picks one), logging the choice once.
+
+    Raises:
+        ValueError: unknown name, or ``"kvikio"`` requested but unusable here.
+    """
+    from tba.offloaders.ssd._posix import PosixEngine
+
+    def posix(reason: str) -> IOEngine:
+        built = PosixEngine(
+            chunk_bytes=chunk_bytes, num_io_threads=num_io_threads, num_staging_buffers=num_staging_buffers
+        )
+        _log_choice(built.name, reason)
+        return built
+
+    if engine == "posix":
+        return posix("ssd_engine='posix' requested")
+    if engine == "kvikio":
+        if not _kvikio_importable():
+            raise ValueError(
+                "ssd_engine='kvikio' but kvikio is not installed; run `pip install \"tba[gds]\"` "
+                "or use ssd_engine='posix'"
+            )
+        from tba.offloaders.ssd._kvikio import KvikioEngine
+
+        built = KvikioEngine()
+        _log_choice(built.name, f"ssd_engine='kvikio' requested; {built.mode}")
+        return built
+    if engine == "auto":
+        if not torch.cuda.is_available():
+            return posix("auto: no CUDA device, so kvikio would add nothing over pread/pwrite")
+        if not _kvikio_importable():
+            return posix("auto: kvikio not installed; `pip install \"tba[gds]\"` enables GPUDirect Storage")
+        from tba.offloaders.ssd._kvikio import KvikioEngine
+
+        try:
+            built = KvikioEngine()
+        except Exception as e:  # noqa: BLE001 - auto falls back; an explicit "kvikio" raises
+            return posix(f"auto: kvikio is installed but failed to start ({type(e).__name__}: {e})")
+        _log_choice(built.name, f"auto: CUDA and kvikio present; {built.mode}")
+        return built
+    raise ValueError(f"ssd_engine must be 'auto', 'kvikio' or 'posix', got {engine!r}")

@@ -1,0 +1,145 @@
+"""The ``kvikio`` I/O engine: ``kvikio.CuFile`` pwrite/pread, GPUDirect Storage where cuFile works.
+
+CUDA tensors go to the file directly (GDS) or through kvikio's own bounce buffers (compat mode);
+host tensors are handed over as numpy views. kvikio does not keep a buffer alive while its
+future runs, so every buffer stays referenced here until its future has completed, also when
+another request of the same call failed (see Note [kvikio buffer lifetime]).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from tba.offloaders.ssd._engine import IORequest, io_error
+
+__all__ = ["KvikioEngine"]
+
+_ERRNOS = (
+    errno.ENOSPC,
+    errno.EIO,
+    errno.EFBIG,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EINVAL,
+    errno.EBADF,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOENT,
+)
+
+
+def _errno_of(error: BaseException) -> int | None:
+    """kvikio raises RuntimeError with the C error text in the message: recover the errno."""
+    code = getattr(error, "errno", None)
+    if isinstance(code, int):
+        return code
+    text = str(error)
+    match = re.search(r"errno[ =:]+(\d+)", text, re.IGNORECASE)
+    if match:
+        return int(match.group(1))
+    for candidate in _ERRNOS:
+        if os.strerror(candidate).lower() in text.lower():
+            return candidate
+    return None
+
+
+class KvikioEngine:
+    """Blocking, thread-safe transfers through ``kvikio.CuFile`` (one handle per slab file).
+
+    Raises:
+        ValueError: no CUDA device and kvikio's compat mode is not forced on. Without a driver,
+            kvikio's cuFile probing can spin forever, so ``KVIKIO_COMPAT_MODE=ON`` is required.
+    """
+
+    name = "kvikio"
+
+    def __init__(self) -> None:
+        import kvikio
+        import kvikio.defaults
+
+        self._kvikio = kvikio
+        compat = kvikio.defaults.get("compat_mode")
+        if not torch.cuda.is_available():
+            if compat != kvikio.CompatMode.ON:
+                raise ValueError(
+                    "ssd_engine='kvikio' without a CUDA device needs kvikio's compat mode: set "
+                    "KVIKIO_COMPAT_MODE=ON before starting Python, or use ssd_engine='posix'"
+                )
+            self.mode = "compat mode (POSIX I/O inside kvikio; no CUDA device)"
+        elif kvikio.defaults.is_compat_mode_preferred():
+            self.mode = "compat mode: cuFile/GPUDirect Storage unavailable, kvikio bounces through host memory"
+        else:
+            self.mode = "GPUDirect Storage through cuFile"
+
+    def open(self, path: str) -> Any:
+        return self._kvikio.CuFile(path, "r+")
+
+    def close_file(self, handle: Any) -> None:
+        handle.close()
+
+    def close(self) -> None:
+        pass
+
+    def write(self, requests: Sequence[IORequest]) -> None:
+        self._run(requests, is_write=True)
+
+    def read(self, requests: Sequence[IORequest]) -> None:
+        self._run(requests, is_write=False)
+
+    def _run(self, requests: Sequence[IORequest], is_write: bool) -> None:
+        op = "write" if is_write else "read"
+        # kvikio copies on its own stream: everything queued on ours (the producer's event
+        # wait, or an earlier use of the destination's memory) must be done first.
+        for device in {r.buffer.device for r in requests if r.buffer.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()
+        # Note [kvikio buffer lifetime]: `pending` holds the tensor and the object handed to
+        # kvikio until the future is done; dropping either early lets the memory be reused
+        # while kvikio still reads or writes it.
+        pending: list[tuple[IORequest, Any, Any]] = []
+        error: BaseException | None = None
+        for request in requests:
+            buffer = request.buffer if request.buffer.is_cuda else request.buffer.numpy()
+            size = request.buffer.numel()
+            try:
+                call = request.handle.pwrite if is_write else request.handle.pread
+                future = call(buffer, size, request.file_offset)
+            except Exception as e:  # noqa: BLE001 - mapped to OffloadIOError below
+                error = self._wrap(e, op, request)
+                break
+            pending.append((request, buffer, future))
+        for request, _buffer, future in pending:
+            try:
+                count = future.get()
+            except Exception as e:  # noqa: BLE001 - mapped to OffloadIOError
+                error = error or self._wrap(e, op, request)
+                continue
+            if count != request.buffer.numel() and error is None:
+                error = io_error(
+                    f"short {op}: kvikio moved {count} of {request.buffer.numel()} bytes",
+                    path=request.path,
+                    offset=request.file_offset,
+                    num_bytes=request.buffer.numel(),
+                    errno_code=None,
+                )
+        pending.clear()
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _wrap(error: BaseException, op: str, request: IORequest) -> BaseException:
+        wrapped = io_error(
+            f"kvikio {op} failed",
+            path=request.path,
+            offset=request.file_offset,
+            num_bytes=request.buffer.numel(),
+            errno_code=_errno_of(error),
+            detail=str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__,
+        )
+        wrapped.__cause__ = error
+        return wrapped
