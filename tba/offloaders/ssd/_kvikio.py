@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,6 +77,7 @@ class KvikioEngine:
             self.mode = "compat mode: cuFile/GPUDirect Storage unavailable, kvikio bounces through host memory"
         else:
             self.mode = "GPUDirect Storage through cuFile"
+            _warn_if_unregistered()
 
     def open(self, path: str) -> Any:
         return self._kvikio.CuFile(path, "r+")
@@ -143,3 +145,19 @@ class KvikioEngine:
         )
         wrapped.__cause__ = error
         return wrapped
+
+
+_warned_unregistered = False
+
+
+def _warn_if_unregistered() -> None:
+    """Warn once per process when GDS will move memory the malloc hook did not register."""
+    global _warned_unregistered
+    if _warned_unregistered:
+        return
+    from tba.malloc_hook import gds_registration_problem
+
+    problem = gds_registration_problem()
+    if problem is not None:
+        _warned_unregistered = True
+        warnings.warn(f"tba: GPUDirect Storage in use but {problem}", RuntimeWarning, stacklevel=3)
