@@ -1,0 +1,83 @@
+"""The host pool offloader and its extent allocator: exact round trips, reuse, sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tba.offloaders import HostOffloader
+from tba.offloaders.extents import ExtentAllocator
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool]
+SIZES = [1, 511, 4097, 3 * 2**20 + 1]
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+@pytest.mark.parametrize("num_bytes", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_bit_exact(device: str, dtype: torch.dtype, num_bytes: int) -> None:
+    g = torch.Generator().manual_seed(num_bytes)
+    raw = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=g)
+    whole = raw[: num_bytes - num_bytes % dtype.itemsize] if num_bytes >= dtype.itemsize else raw
+    typed = whole.view(dtype) if whole.numel() >= dtype.itemsize else whole
+    if dtype is torch.bool:
+        typed = whole.bool()  # only 0/1 bytes are valid bools
+    typed = typed.to(device)
+    if typed.dim() == 1 and typed.numel() >= 4:
+        typed = typed[1:].unfold(0, 2, 2)  # a non-contiguous view into the storage
+    src = _as_bytes(typed)
+    off = HostOffloader()
+    token = off.store(src)
+    dst = torch.empty_like(src)
+    off.load(token, dst)
+    restored = torch.empty(0, dtype=typed.dtype, device=device).set_(
+        dst.untyped_storage(), typed.storage_offset(), typed.size(), typed.stride())
+    assert torch.equal(dst, src)  # every byte, NaN payloads included
+    torch.testing.assert_close(restored, typed, rtol=0, atol=0, equal_nan=True)
+    off.release(token)
+    off.close()
+
+
+def test_pool_reuses_space_and_is_sized_by_reserve() -> None:
+    off = HostOffloader()
+    tensors = [torch.full((n,), i, dtype=torch.uint8) for i, n in enumerate((1000, 70 << 20, 5))]
+    for _ in range(5):
+        tokens = [off.store(t) for t in tensors]
+        for t, token in zip(tensors, tokens):
+            out = torch.empty_like(t)
+            off.load(token, out)
+            assert torch.equal(out, t)
+            off.release(token)
+    grown = off.capacity_bytes
+    assert off.used_bytes == 0 and grown >= (70 << 20)
+    assert grown < 3 * (71 << 20)  # reused, not grown every step
+    off.reserve(100 << 20)  # empty: rebuilt as one slab of the profiled size
+    assert off.capacity_bytes == 100 << 20
+    token = off.store(tensors[1])
+    off.reserve(10 << 20)  # not empty: left alone
+    assert off.capacity_bytes == 100 << 20
+    off.release(token)
+    off.close()
+
+
+def test_extent_allocator_first_fit_and_coalescing() -> None:
+    a = ExtentAllocator(16 * 4096, alignment=4096)
+    x = a.allocate(1)
+    y = a.allocate(4097)
+    z = a.allocate(4096)
+    assert (x, y, z) == (0, 4096, 3 * 4096)
+    assert a.allocate(13 * 4096) is None and a.allocate(12 * 4096) == 4 * 4096
+    a.free(y)
+    assert a.allocate(2 * 4096) == 4096  # the hole is reused
+    a.free(4096)
+    a.free(x)
+    a.free(z)
+    a.free(4 * 4096)
+    assert a.used_bytes == 0 and a.largest_free_bytes == 16 * 4096  # fully coalesced
+    with pytest.raises(AssertionError):
+        a.free(4096)
+    with pytest.raises(ValueError):
+        ExtentAllocator(4096, alignment=3)
