@@ -9,3 +9,7 @@ constraints=$1
 pip install -q --no-deps -c "$constraints" \
   kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 nvidia-cufile==1.20.0.107 \
   rapids-logger==0.3.0 cuda-pathfinder==1.9.0
+
+# Pipeline engines for the integration tests (tested versions; megatron-core 0.17 needs
+# Python >= 3.12).
+pip install -q -c "$constraints" megatron-core==0.16.1 deepspeed==0.19.8

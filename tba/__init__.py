@@ -82,6 +82,12 @@ def configure_tensor_cache(model: nn.Module, **options: Any) -> TensorCache:
             f"{type(model).__name__} already has a tba.TensorCache; close() it before "
             "configuring another"
         )
+    if config.pipeline is not None:
+        # Process-wide and idempotent; a patched scheduler runs unchanged for modules without
+        # a cache, so the patch outlives this cache (tba.integrations.unpatch() removes it).
+        from tba import integrations
+
+        integrations.patch(config.pipeline)
     offloader = make_offloader(config, rank=_rank())
     cache = TensorCache(model, config, offloader)
     registry.register(cache, model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "storage_bytes", "view_on_storage", "STAMP_ATTR"]
+__all__ = ["in_backward", "local_tensor", "storage_bytes", "view_on_storage", "STAMP_ATTR"]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
 # storage lives (PyObject preservation, torch >= 2.0), so an attribute set on
@@ -38,3 +38,8 @@ def view_on_storage(
 ) -> torch.Tensor:
     """A tensor of ``dtype`` viewing ``storage`` with the given geometry (no copy)."""
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``tensor``'s data on this rank (a DTensor's local shard)."""
+    return getattr(tensor, "_local_tensor", tensor)

@@ -13,7 +13,8 @@ class CacheStats:
     (``TensorCache.stats(cumulative=True)``).
 
     A step runs from a forward of the model until every activation it saved was released by
-    backward (with pipeline hints: from the first forward to the last backward of the batch).
+    backward (with pipeline hints: until the scheduler announces no further action for this
+    module and everything is released).
 
     Attributes:
         num_steps: steps these counters cover.

@@ -253,7 +253,7 @@ class TensorCache:
             return
         self._transfers.raise_pending()
         self._param_ptrs = frozenset(
-            t.untyped_storage().data_ptr()
+            compat.local_tensor(t).untyped_storage().data_ptr()
             for t in itertools.chain(self.model.parameters(), self.model.buffers())
         )
         with self._lock:
@@ -290,8 +290,10 @@ class TensorCache:
         if not self._window_open:
             self._window_open = True
             self._window_backward = False
-        elif self._window_backward and all(
-            r.backward_started for r in self._records.values()
+        elif (
+            self._window_backward
+            and hint is None
+            and all(r.backward_started for r in self._records.values())
         ):
             # Backward ran for everything, yet some graph is still alive (retain_graph, or a
             # graph kept by the user): the step is over all the same.
@@ -476,6 +478,7 @@ class TensorCache:
                 not self._entries
                 and self._window_open
                 and (self._window_backward or self._hooks_ctx is None)
+                and (self._hint is None or self._hint.next_action is None)
             ):
                 self._close_window()
 

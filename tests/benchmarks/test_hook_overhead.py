@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "benchmarks" / "hook_overhead.py"), "--blocks", "2",
          "--ops", "20", "--repeats", "3", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())

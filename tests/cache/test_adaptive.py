@@ -84,7 +84,8 @@ def test_unthrottled_offloads_every_block_but_the_tail() -> None:
     assert sum(decision.block_bytes) > 0 and all(t > 0 for t in decision.block_s)
 
 
-def test_throttled_moves_boundary_earlier_and_is_faster() -> None:
+def test_throttled_moves_boundary_earlier() -> None:
+    # Step times are a benchmark's business (benchmarks/adaptive_offload.py), not a test's.
     def run(adaptive: bool) -> tuple[float, int, tba.CacheStats]:
         torch.manual_seed(0)
         model = models.Stack(num_blocks=6, width=256)
@@ -95,12 +96,12 @@ def test_throttled_moves_boundary_earlier_and_is_faster() -> None:
             step_s = _train(model, cache, 6)
             return step_s, cache.boundary.tail_start, cache.stats()
 
-    fixed_s, fixed_tail, fixed = run(False)
-    adaptive_s, adaptive_tail, adapted = run(True)
+    _, fixed_tail, fixed = run(False)
+    _, adaptive_tail, adapted = run(True)
     assert fixed_tail == 5
     assert adaptive_tail < fixed_tail
     assert adapted.kept_bytes > fixed.kept_bytes
-    assert adaptive_s < fixed_s, (adaptive_s, fixed_s)
+    assert adapted.offloaded_bytes < fixed.offloaded_bytes
 
 
 @pytest.mark.parametrize("throttle", [None, 20 * MiB])

@@ -97,8 +97,16 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(rank, world_size, port, (fn.__module__, fn.__name__), args, child_env,
-                  pg_timeout_s, results),
+            args=(
+                rank,
+                world_size,
+                port,
+                (fn.__module__, fn.__name__),
+                args,
+                child_env,
+                pg_timeout_s,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -111,7 +119,9 @@ def run_workers(
         while len(outputs) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WorkerError(f"workers timed out after {timeout_s:.0f} s; got ranks {sorted(outputs)}")
+                raise WorkerError(
+                    f"workers timed out after {timeout_s:.0f} s; got ranks {sorted(outputs)}"
+                )
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
                 outputs[rank] = (status, value)
@@ -126,7 +136,9 @@ def run_workers(
                         outputs[rank] = (status, value)
                         continue
                     codes = {i: procs[i].exitcode for i in dead}
-                    raise WorkerError(f"worker(s) died without reporting: exit codes {codes}")
+                    raise WorkerError(
+                        f"worker(s) died without reporting: exit codes {codes}"
+                    ) from None
     finally:
         for p in procs:
             p.join(timeout=10 if len(outputs) == world_size else 0.5)

@@ -10,6 +10,9 @@ class RecordingCache:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
+        #: if set, each call also appends ("hint", stage, microbatch, action) here, so a test
+        #: can interleave hints with what the engine was doing.
+        self.trace: list[Any] | None = None
 
     def set_stage(
         self,
@@ -21,6 +24,8 @@ class RecordingCache:
         next_action: str | None = None,
         next_stage: int | None = None,
     ) -> None:
+        if self.trace is not None:
+            self.trace.append(("hint", stage, microbatch, action))
         self.calls.append(
             dict(
                 stage=stage,
