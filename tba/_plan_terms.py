@@ -16,10 +16,8 @@ element, ``V`` vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from tba.plan import Accounting, ModelShape
+from tba._plan_types import Accounting, ModelShape
 
 __all__ = ["ActivationTerm", "model_terms"]
 

@@ -115,14 +115,22 @@ def test_adaptive_bit_exact(throttle) -> None:
 def test_reprofiles_when_inputs_change() -> None:
     model = models.Stack(num_blocks=3)
     steady = Throttled("host", write_bytes_per_s=50 * MiB)  # a stable measured bandwidth
+
+    def step(cache, batch: int) -> None:
+        loss = model(torch.randn(batch, 16))
+        while cache._transfers.inflight_bytes:  # the profile needs completed writes
+            time.sleep(0.005)
+        loss.backward()
+
     with tba.configure_tensor_cache(model, offloader=steady, offload_devices=("cpu",),
                                     min_offload_bytes=0, adaptive=True, profile_step=1) as cache:
-        model(torch.randn(8, 16)).backward()
+        step(cache, 8)
         first = cache.adaptive_decision
-        model(torch.randn(8, 16)).backward()
+        assert first is not None
+        step(cache, 8)
         assert cache.adaptive_decision is first
-        model(torch.randn(32, 16)).backward()  # new shape: profiled again at the next step
-        model(torch.randn(32, 16)).backward()
+        step(cache, 32)  # new shape: profiled again at the next step
+        step(cache, 32)
         assert cache.adaptive_decision is not first
 
 

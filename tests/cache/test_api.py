@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -122,7 +123,10 @@ def test_stats_cover_one_step_and_totals() -> None:
     ) as cache:
         steps = []
         for step in range(3):
-            model(models.vector_batch(step)).backward()
+            loss = model(models.vector_batch(step))
+            while cache._transfers.inflight_bytes:  # let the stores run: nothing cancelled
+                threading.Event().wait(0.005)
+            loss.backward()
             last = cache.stats()
             steps.append(last)
             assert last.num_steps == 1
@@ -142,8 +146,11 @@ def test_stats_cover_one_step_and_totals() -> None:
 def _peak(offloader: str) -> int:
     torch.manual_seed(0)
     model = models.Stack(num_blocks=6, width=256)
+    # A small in-flight bound makes forward wait for the store thread, so the peak does not
+    # depend on how the OS schedules it.
     with tba.configure_tensor_cache(
-        model, offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0
+        model, offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0,
+        max_inflight_bytes=1 << 20,
     ) as cache:
         for step in range(2):
             model(torch.randn(64, 16)).backward()

@@ -1,0 +1,331 @@
+"""One point of the ROK curve, run in a fresh process (private helper of ``rok_curve.py``).
+
+``run_point(spec)`` builds the model, the optimizer and the strategy, measures the baseline,
+runs warm-up and measured training steps and returns a dict of plain values. ``probe(spec)``
+describes the machine. Both are called in a child process forked from a forkserver that
+preloaded torch and transformers, so every point starts from a fresh address space.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload")
+_OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def configure_malloc(mmap_threshold_bytes: int | None) -> str:
+    """Make glibc return big frees to the OS at once, so RSS follows live memory.
+
+    Allocations above the mmap threshold get their own mapping, unmapped on free; a fixed
+    threshold also stops glibc from raising it dynamically after the first big free. The same
+    values are exported as ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` for the
+    forkserver; ``mallopt`` here makes sure they hold in this process.
+    """
+    if mmap_threshold_bytes is None or platform.system() != "Linux":
+        return "default"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
+        ok &= libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold_bytes)) == 1
+    except OSError as e:  # not glibc
+        return f"default (mallopt unavailable: {e})"
+    return f"mmap/trim threshold {mmap_threshold_bytes} B" if ok else "default (mallopt refused)"
+
+
+class _RSS:
+    """Process RSS and its high-water mark, resettable through ``/proc/self/clear_refs``."""
+
+    def __init__(self) -> None:
+        self.page_bytes = os.sysconf("SC_PAGE_SIZE")
+        self.can_reset = self._try_reset()
+        self.method = ("VmHWM after clear_refs=5" if self.can_reset else "ru_maxrss (process lifetime)")
+
+    @staticmethod
+    def _try_reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return _RSS._status_kib("VmHWM") is not None
+        except OSError:
+            return False
+
+    @staticmethod
+    def _status_kib(key: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def current(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self.page_bytes
+        except OSError:
+            import psutil
+
+            return psutil.Process().memory_info().rss
+
+    def reset_peak(self) -> None:
+        if self.can_reset:
+            self._try_reset()
+
+    def peak(self) -> int:
+        if self.can_reset:
+            return self._status_kib("VmHWM") * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def _import_path() -> None:
+    """tba from this checkout when it is not installed."""
+    repo = str(Path(__file__).resolve().parents[1])
+    if repo not in sys.path:
+        sys.path.append(repo)
+
+
+def build_model(model_spec: dict[str, int], device: str, dtype: str):
+    import torch
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(
+        n_embd=model_spec["hidden"], n_layer=model_spec["layers"], n_head=model_spec["heads"],
+        n_positions=model_spec["seq_len"], vocab_size=model_spec["vocab"], activation_function="gelu",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
+        attn_implementation=model_spec.get("attn_implementation", "eager"))
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the device: a GPU-sized model builds in seconds
+        model = GPT2LMHeadModel(cfg)
+    return model.to(dtype=getattr(torch, dtype)).train()
+
+
+def enable_recompute(model) -> None:
+    """``torch.utils.checkpoint`` (non-reentrant) around every ``GPT2Block``."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    blocks = getattr(model.transformer, "h")
+    if not all(getattr(b, "gradient_checkpointing", False) for b in blocks):
+        raise RuntimeError("transformers did not enable checkpointing on every GPT2Block")
+
+
+def _cache_stats_dict(stats) -> dict[str, Any]:
+    import dataclasses
+
+    return {f"cache_{k}": v for k, v in dataclasses.asdict(stats).items()}
+
+
+def run_point(spec: dict[str, Any]) -> dict[str, Any]:
+    """Measure one (strategy, batch size) point. Never raises: errors become a status."""
+    try:
+        return _run_point(spec)
+    except Exception as e:  # a failed point must not stop the sweep; the reason is reported
+        tb = traceback.format_exc(limit=6)
+        return {"status": f"failed: {type(e).__name__}: {_one_line(e)}", "traceback": tb}
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
+    wall0 = time.perf_counter()
+    malloc = configure_malloc(spec.get("mmap_threshold_bytes")) if spec["device"] == "cpu" else "n/a"
+    import torch
+
+    _import_path()
+    import tba
+    from tba import plan
+
+    if spec.get("num_threads"):
+        torch.set_num_threads(spec["num_threads"])
+    strategy, b, device = spec["strategy"], spec["batch_size"], spec["device"]
+    m = spec["model"]
+    cuda = device == "cuda"
+    rss = _RSS()
+
+    model = build_model(m, device, spec["dtype"])
+    if strategy in ("recompute", "recompute+offload"):
+        enable_recompute(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    # Gradients and optimizer state exist before the baseline, so the peak is activations
+    # (and the transient memory of the step), not weights, gradients or Adam moments.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, m["vocab"], (b, m["seq_len"]), generator=g).to(device)
+
+    cache = None
+    if strategy in _OFFLOADER:
+        options = dict(offloader=_OFFLOADER[strategy], offload_devices=(device,),
+                       min_offload_bytes=spec["min_offload_bytes"], keep_last_modules=spec["keep_last_modules"],
+                       adaptive=spec["adaptive"] if _OFFLOADER[strategy] != "none" else False)
+        if spec.get("ssd_dir") and _OFFLOADER[strategy] == "ssd":
+            options["ssd_dirs"] = (spec["ssd_dir"],)
+        try:
+            cache = tba.configure_tensor_cache(model, **options)
+        except (ValueError, ImportError, NotImplementedError, OSError, tba.TBAError) as e:
+            return {"status": f"unavailable: {type(e).__name__}: {_one_line(e)}"}
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss.item()
+
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+    else:
+        baseline = rss.current()
+
+    times, peaks, deltas, all_stats = [], [], [], []
+    loss = float("nan")
+    try:
+        for i in range(spec["warmup_steps"] + spec["steps"]):
+            measured = i >= spec["warmup_steps"]
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            else:
+                before = rss.current()
+                rss.reset_peak()
+            t0 = time.perf_counter()
+            loss = step()
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated() if cuda else rss.peak()
+            if measured:
+                times.append(dt)
+                peaks.append(peak - baseline)
+                deltas.append(peak - before)
+                if cache is not None:
+                    all_stats.append(cache.stats())
+    finally:
+        if cache is not None:
+            cache.close()
+
+    step_time = statistics.median(times)
+    shape = plan.ModelShape(arch="gpt", num_layers=m["layers"], hidden_size=m["hidden"], num_heads=m["heads"],
+                            seq_len=m["seq_len"], vocab_size=m["vocab"])
+    flops = plan.model_flops(shape, b)
+    dtype_bytes = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
+    acc = (plan.Accounting.pytorch_cpu(dtype_bytes=dtype_bytes, dropout=False) if not cuda
+           else plan.Accounting(dtype_bytes=dtype_bytes, dropout=False,
+                                attention="flash" if m.get("attn_implementation") == "sdpa" else "eager"))
+    row: dict[str, Any] = {
+        "status": "ok",
+        "activation_peak_bytes": max(peaks),
+        "step_time_s": step_time,
+        "model_flops_per_s": flops / step_time,
+        "tokens_per_s": b * m["seq_len"] / step_time,
+        "model_flops_per_step": flops,
+        "step_times_s": times,
+        "peak_method": ("cuda max_memory_allocated - allocated after setup" if cuda
+                        else f"RSS high-water ({rss.method}) - RSS after setup"),
+        "baseline_bytes": baseline,
+        "activation_peak_step_delta_bytes": max(deltas),
+        "plan_activation_bytes": plan.activation_bytes(shape, b, acc),
+        "loss": loss,
+        "malloc": malloc,
+        "num_threads": torch.get_num_threads(),
+        "worker_wall_s": time.perf_counter() - wall0,
+    }
+    if cuda:
+        row["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    else:
+        row["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if all_stats:
+        last = all_stats[-1]
+        row.update(_cache_stats_dict(last))
+        row["cache_peak_resident_bytes"] = max(s.peak_resident_bytes for s in all_stats)
+        row["cache_stall_s"] = statistics.median(s.stall_s for s in all_stats)
+    return row
+
+
+def probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Describe the machine the points run on (in a child, so the parent never touches CUDA)."""
+    import torch
+    import transformers
+
+    _import_path()
+    import tba
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tba": getattr(tba, "__version__", "unknown"),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "num_cpus": os.cpu_count(),
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    try:
+        import psutil
+
+        info["host_memory_bytes"] = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    if spec.get("device") == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
+                    gpu_count=torch.cuda.device_count())
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def child_main(conn, kind: str, spec: dict[str, Any]) -> None:
+    """Entry point of a forked child: run ``kind`` ("point" or "probe"), send the result."""
+    log = spec.get("log_path")
+    if log:  # warnings and crashes of this point go to its own log, not over the progress bar
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        result = probe(spec) if kind == "probe" else run_point(spec)
+    except Exception as e:  # probe failures are reported like point failures
+        result = {"status": f"failed: {type(e).__name__}: {_one_line(e)}", "traceback": traceback.format_exc()}
+    if log and "traceback" in result:
+        print(result["traceback"], file=sys.stderr, flush=True)
+    conn.send(result)
+    conn.close()
