@@ -20,6 +20,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from _environment import cpu_name
+
 STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload")
 _OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
 
@@ -284,7 +286,7 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
         "transformers": transformers.__version__,
         "tba": getattr(tba, "__version__", "unknown"),
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "num_cpus": os.cpu_count(),
         "torch_num_threads": torch.get_num_threads(),
         "cuda_available": torch.cuda.is_available(),
@@ -300,17 +302,6 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
         info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda,
                     gpu_count=torch.cuda.device_count())
     return info
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def child_main(conn, kind: str, spec: dict[str, Any]) -> None:

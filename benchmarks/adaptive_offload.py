@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 
 import torch
@@ -23,6 +20,7 @@ from torch import nn
 
 import tba
 from tba.offloaders import Throttled
+from _environment import describe
 
 
 class Block(nn.Module):
@@ -99,12 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--read-mib-s", type=float, default=2000.0)
     p.add_argument("--out", default="adaptive_offload.json")
     args = p.parse_args(argv)
-    env = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else
-        f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
-        "python": platform.python_version(), "torch": torch.__version__, "tba": tba.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
-    }
+    env = describe(args.device)
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     rows = [run(args, mode) for mode in ("keep", "fixed", "adaptive")]
     keep = rows[0]

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 
 import torch
 from torch import nn
 
 import tba
+from _environment import describe
 
 
 class TinyOps(nn.Module):
@@ -57,16 +55,6 @@ def time_steps(model: nn.Module, x: torch.Tensor, repeats: int) -> list[float]:
     return times
 
 
-def environment() -> dict:
-    return {
-        "device": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "tba": tba.__version__,
-        "command": " ".join([sys.executable, *sys.argv]),
-    }
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=4)
@@ -75,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="hook_overhead.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    env = environment()
+    env = describe("cpu")
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     model = Model(args.blocks, args.ops)
     x = torch.randn(8)

@@ -48,9 +48,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tba import _env  # noqa: E402
 from tba.offloaders.ssd import SSDOffloader  # noqa: E402
+from _environment import cpu_name  # noqa: E402
 
 _MiB = 1 << 20
 
@@ -91,17 +93,6 @@ def _filesystem_of(path: str) -> dict[str, str]:
     return best
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
     """What the numbers were measured on."""
     kvikio_version = None
@@ -115,7 +106,7 @@ def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     stat = os.statvfs(args.dir)
     return {
-        "device": f"{gpu or 'no GPU'}; CPU {_cpu_model()} x{os.cpu_count()}",
+        "device": f"{gpu or 'no GPU'}; CPU {cpu_name()} x{os.cpu_count()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
         "kvikio": kvikio_version,

@@ -76,7 +76,7 @@ class TensorCacheConfig:
     num_load_threads: int = 1
     skip_modules: tuple[type[nn.Module] | str, ...] = ()
     block_modules: tuple[nn.Module | str | type[nn.Module], ...] | None = None
-    adaptive: bool = False
+    adaptive: bool = True
     profile_step: int = 2
     on_io_error: Literal["raise", "keep"] = "raise"
     ssd_dirs: tuple[str, ...] | None = None

@@ -112,8 +112,11 @@ class TensorCache:
         self._steps_done = 0
         self._history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
         self._profile: StepProfile | None = None
-        self._profile_due = config.profile_step if config.adaptive else None
+        # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
+        self._profile_due = config.profile_step if config.adaptive and offloader else None
         self._signature: tuple | None = None
+        self._num_forwards = 0  # forwards (microbatches) in the running step
+        self._forwards_per_step: int | None = None
         self._closed = False
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
@@ -307,6 +310,7 @@ class TensorCache:
         else:
             key, keep_tail = (-1, next(self._auto_keys)), True
         self._record = self._records[key] = Record(key, keep_tail)
+        self._num_forwards += 1
 
     def _unit_pre(self, unit: Unit, module: nn.Module, args: Any) -> None:
         if self._hooks_ctx is None or compat.in_backward():
@@ -492,6 +496,12 @@ class TensorCache:
         self._total = self._total.merged(step)
         self._steps_done += 1
         self._history.append((self._steps_done, step, self.boundary.tail_start))
+        forwards, self._num_forwards = self._num_forwards, 0
+        if self._forwards_per_step not in (None, forwards) and self.boundary.decision is not None:
+            logger.info("tba adaptive: %d forwards per step instead of %d, re-profiling",
+                        forwards, self._forwards_per_step)
+            self._profile_due = self._steps_done + 1
+        self._forwards_per_step = forwards
         if self._profile is not None:
             profile, self._profile = self._profile, None
             self._decide(profile, step)
@@ -515,18 +525,17 @@ class TensorCache:
     def _decide(self, profile: StepProfile, step: CacheStats) -> None:
         block_s, forward_s = profile.finish()
         if step.write_bytes_per_s <= 0:
-            logger.info("tba adaptive: nothing was written in the profiled step; profiling the next")
+            logger.debug("tba adaptive: nothing was written in the profiled step; profiling the next")
             self._profile_due = self._steps_done + 1
             return
         self.boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
         self._profile_due = None
 
     def _check_signature(self, args: Any) -> None:
-        """Re-profile when the inputs' shapes or the number of forwards per step change."""
-        shapes = tuple(tuple(t.shape) for t in _tensors_in(args))
-        signature = (shapes, len(self._records))
+        """Re-profile when the shapes of the model's inputs change."""
+        signature = tuple(tuple(t.shape) for t in _tensors_in(args))
         if self._signature is not None and signature != self._signature and self.boundary.decision:
-            logger.info("tba adaptive: inputs changed (%s -> %s), re-profiling", self._signature, signature)
+            logger.info("tba adaptive: input shapes changed (%s -> %s), re-profiling", self._signature, signature)
             self._profile_due = self._steps_done + 1
         self._signature = signature
 

@@ -154,7 +154,8 @@ def test_throttled_caps_bandwidth() -> None:
 def test_summary_and_trace(tmp_path) -> None:
     model = models.Stack(num_blocks=4)
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
-                                    min_offload_bytes=0, keep_last_modules=1) as cache:
+                                    min_offload_bytes=0, keep_last_modules=1,
+                                    adaptive=False) as cache:
         for _ in range(2):
             loss = model(torch.randn(16, 16))
             while cache._transfers.inflight_bytes:

@@ -119,7 +119,7 @@ def test_import_initialises_no_cuda_and_loads_no_native_library() -> None:
 def test_stats_cover_one_step_and_totals() -> None:
     model = models.Stack()
     with tba.configure_tensor_cache(
-        model, offload_devices=("cpu",), min_offload_bytes=0, keep_last_modules=0
+        model, offload_devices=("cpu",), min_offload_bytes=0, keep_last_modules=0, adaptive=False
     ) as cache:
         steps = []
         for step in range(3):
@@ -150,7 +150,7 @@ def _peak(offloader: str) -> int:
     # depend on how the OS schedules it.
     with tba.configure_tensor_cache(
         model, offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0,
-        max_inflight_bytes=1 << 20,
+        max_inflight_bytes=1 << 20, adaptive=False,
     ) as cache:
         for step in range(2):
             model(torch.randn(64, 16)).backward()
@@ -221,3 +221,36 @@ def test_error_in_forward_leaves_no_hooks_active() -> None:
         before = cache.stats(cumulative=True).num_packed
         x.exp().sum().backward()
         assert cache.stats(cumulative=True).num_packed == before
+
+
+def test_skip_modules_are_never_offloaded() -> None:
+    model = models.Stack(num_blocks=3)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0,
+                                    keep_last_modules=0, adaptive=False,
+                                    skip_modules=("blocks.1", torch.nn.Dropout)) as cache:
+        decisions = []
+        original = cache._transfers.add
+        cache._transfers.add = lambda e: decisions.append(  # type: ignore[method-assign]
+            ([u.name for u, _, _ in cache._unit_stack], cache._skip_depth, e.offload)) or original(e)
+        model(models.vector_batch(0)).backward()
+    in_skipped_block = [off for stack, _, off in decisions if stack == ["blocks.1"]]
+    in_dropout = [off for stack, depth, off in decisions if stack != ["blocks.1"] and depth]
+    elsewhere = [off for stack, depth, off in decisions
+                 if stack in (["blocks.0"], ["blocks.2"]) and not depth]
+    assert in_skipped_block and not any(in_skipped_block)
+    assert in_dropout and not any(in_dropout)  # skipped by type
+    assert elsewhere and all(elsewhere)
+
+
+def test_block_modules_override() -> None:
+    model = models.Stack(num_blocks=4)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",),
+                                    block_modules=(models.MLPBlock,)) as by_type:
+        assert [u.name for u in by_type.units if u.block_index is not None] == [
+            "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",),
+                                    block_modules=("blocks.[02]", model.head)) as by_name:
+        blocks = [u.name for u in by_name.units if u.block_index is not None]
+        assert blocks == ["blocks.0", "blocks.2", "head"]
+        # Everything else still opens scopes of its own.
+        assert {"embed", "blocks.1", "blocks.3"} <= {u.name for u in by_name.units}

@@ -18,7 +18,7 @@ from tests.twin import run_twins
 
 def make_cache(model, offloader, streams=None, **options) -> TensorCache:
     options = {"offload_devices": ("cpu",), "min_offload_bytes": 0, "keep_last_modules": 0,
-               **options}
+               "adaptive": False, **options}
     config = tba.TensorCacheConfig(offloader=offloader, **options)
     return TensorCache(model, config, offloader, streams=streams)
 
