@@ -39,11 +39,11 @@ class Entry:
         "load_event", "load_done", "error", "wanted", "offload",
     )
 
-    def __init__(self, key: tuple[int, int], data: torch.Tensor, offload: bool) -> None:
+    def __init__(self, key: tuple[int, int], data: torch.UntypedStorage, offload: bool) -> None:
         self.key = key
         self.device = data.device
-        self.nbytes = data.numel()
-        self.data: torch.Tensor | None = data  # 1-D uint8 over the whole storage
+        self.nbytes = data.nbytes()
+        self.data: torch.UntypedStorage | None = data  # the whole storage, while in memory
         self.state = State.KEPT
         self.token: Any = None
         self.refs = 0

@@ -395,25 +395,25 @@ class TensorCache:
             transfers.step.num_packed += 1
             entry = self._entries.get(key)
             if entry is None:
-                data = compat.storage_bytes(storage)
+                nbytes = storage.nbytes()
                 offload = (
                     transfers.offloader is not None
                     and not scope.keep
                     and self._skip_depth == 0
-                    and data.numel() >= self.config.min_offload_bytes
+                    and nbytes >= self.config.min_offload_bytes
                 )
-                entry = self._entries[key] = Entry(key, data, offload)
+                entry = self._entries[key] = Entry(key, storage, offload)
                 if self._profile is not None and scope.unit is not None:
                     block = scope.unit.block_index
-                    if block is not None and data.numel() >= self.config.min_offload_bytes:
-                        self._profile.add_bytes(block, data.numel())
+                    if block is not None and nbytes >= self.config.min_offload_bytes:
+                        self._profile.add_bytes(block, nbytes)
                 if offload:
                     entry.event = transfers.streams.producer_event(tensor.device)
                 transfers.add(entry)
             else:
                 transfers.step.num_deduplicated += 1
                 if scope.keep and entry.offload:
-                    transfers.keep(entry, compat.storage_bytes(storage))
+                    transfers.keep(entry, storage)
             entry.refs += 1
             if not scope.entries or scope.entries[-1] is not entry:
                 scope.entries.append(entry)
@@ -432,9 +432,9 @@ class TensorCache:
         scope = packed.scope
         if not scope.backward_entered:
             self._backward_signal(scope)
-        data, event = self._transfers.fetch(packed.entry)
+        storage, event = self._transfers.fetch(packed.entry)
         tensor = compat.view_on_storage(
-            data.untyped_storage(), packed.dtype, packed.size, packed.stride, packed.offset
+            storage, packed.dtype, packed.size, packed.stride, packed.offset
         )
         if event is not None:
             self._transfers.streams.consume(event, tensor)
@@ -453,6 +453,8 @@ class TensorCache:
     def _prefetch_from(self, scope: Scope) -> None:
         """Load ``scope``'s tensors and those of the ``prefetch_modules`` offloaded scopes
         before it (the order backward will need them)."""
+        if self.offloader is None:
+            return
         budget = self.config.prefetch_modules
         scopes = scope.record.scopes
         for index in range(scope.index, -1, -1):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tba._torch_compat import storage_bytes
 from tba.cache.entries import Entry, State
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
@@ -74,10 +75,10 @@ class Transfers:
     # ----------------------------------------------------------------- training thread side
     def add(self, entry: Entry) -> None:
         """A new entry holding data; queue its store if it is to be offloaded."""
-        self.trace.instant("pack", bytes=entry.nbytes, offload=entry.offload)
         with self.cond:
             self.resident_bytes += entry.nbytes
             if entry.offload and self.offloader is not None:
+                self.trace.instant("pack", bytes=entry.nbytes)
                 self._wait_for_room(entry.nbytes)
                 entry.state = State.QUEUED
                 self.inflight_bytes += entry.nbytes
@@ -101,7 +102,7 @@ class Transfers:
         self.step.store_wait_s += time.perf_counter() - start
         self.raise_pending()
 
-    def keep(self, entry: Entry, data: torch.Tensor) -> None:
+    def keep(self, entry: Entry, data: torch.UntypedStorage) -> None:
         """Backward will want ``entry`` soon and ``data`` is its storage: keep it in memory."""
         with self.cond:
             if entry.state is State.QUEUED:
@@ -124,10 +125,10 @@ class Transfers:
             elif entry.state is State.STORING:
                 entry.wanted = True
 
-    def fetch(self, entry: Entry) -> tuple[torch.Tensor, Any]:
-        """The storage bytes of ``entry`` for unpack, waiting for (or starting) its load.
+    def fetch(self, entry: Entry) -> tuple[torch.UntypedStorage, Any]:
+        """The storage of ``entry`` for unpack, waiting for (or starting) its load.
 
-        Returns the 1-D uint8 data and the load event to consume (None if it was not read).
+        Returns the storage and the load event to consume (None if it was not read).
         """
         with self.cond:
             state = entry.state
@@ -250,8 +251,10 @@ class Transfers:
                 if entry.state is not State.QUEUED:
                     continue  # cancelled while queued
                 entry.state = State.STORING
-                src, event = entry.data, entry.event
-            assert src is not None
+                storage, event = entry.data, entry.event
+            assert storage is not None
+            src = storage_bytes(storage)
+            del storage
             start = time.perf_counter()
             token, failure = None, None
             try:
@@ -339,7 +342,8 @@ class Transfers:
                     entry.error = self._fail(entry, "load", failure)
                     entry.state = State.STORED  # a later unpack may try again
                 else:
-                    entry.data, entry.load_event, entry.state = dst, event, State.READY
+                    entry.data, entry.load_event = dst.untyped_storage(), event
+                    entry.state = State.READY
                     self.resident_bytes += entry.nbytes
                     self.step.reloaded_bytes += entry.nbytes
                     self.step.read_s += elapsed
