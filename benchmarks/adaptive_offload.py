@@ -3,7 +3,7 @@
 With a throttled offloader (``--write-mib-s``) writes cannot keep up with forward; the adaptive
 boundary keeps the later blocks in memory so the step stays fast.
 
-    python benchmarks/adaptive_offload.py                            # CPU, 20 MiB/s writes
+    python benchmarks/adaptive_offload.py                            # CPU, 400 MiB/s writes
     python benchmarks/adaptive_offload.py --write-mib-s 0            # unthrottled host pool
     python benchmarks/adaptive_offload.py --device cuda --width 4096 --batch 8192 --write-mib-s 0
 """
@@ -58,7 +58,8 @@ def run(args: argparse.Namespace, mode: str) -> dict:
         adaptive = mode == "adaptive"
     times, peaks = [], []
     with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=(args.device,),
-                                    min_offload_bytes=0, adaptive=adaptive) as cache:
+                                    min_offload_bytes=0, adaptive=adaptive,
+                                    max_inflight_bytes=int(args.max_inflight_mib * 2**20)) as cache:
         for step in range(args.steps):
             if args.device == "cuda":
                 torch.cuda.synchronize()
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace, mode: str) -> dict:
         "kept_bytes": stats.kept_bytes,
         "offloaded_bytes": stats.offloaded_bytes,
         "stall_s": stats.stall_s,
-        "offloaded_blocks": tail,
+        "offloaded_blocks": 0 if mode == "keep" else tail,
     }
 
 
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--write-mib-s", type=float, default=20.0, help="0: unthrottled")
+    p.add_argument("--write-mib-s", type=float, default=400.0, help="0: unthrottled")
+    p.add_argument("--max-inflight-mib", type=float, default=8.0,
+                   help="max_inflight_bytes: how far stores may fall behind before forward waits")
     p.add_argument("--read-mib-s", type=float, default=2000.0)
     p.add_argument("--out", default="adaptive_offload.json")
     args = p.parse_args(argv)
