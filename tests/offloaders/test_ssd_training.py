@@ -1,4 +1,4 @@
-"""Bit-exact training of a small GPT-2 with ``offloader="ssd"``, for both I/O engines.
+"""Bit-exact training of small GPT-2 (and BERT/T5 through kvikio) with ``offloader="ssd"``.
 
 CPU tensors are offloaded (``offload_devices=("cpu",)``, ``min_offload_bytes=0``) so the whole
 path runs without a GPU: pack hook -> store to slab files -> load in backward -> unpack.
@@ -39,14 +39,15 @@ def test_gpt2_bit_exact_posix(tmp_path: Path, num_dirs: int) -> None:
     assert all(list(d.iterdir()) == [] for d in drives)  # the cache closed the offloader
 
 
-def test_gpt2_bit_exact_kvikio(tmp_path: Path, fake_libcuda: Path) -> None:
+@pytest.mark.parametrize("name, batch", [("gpt2", "lm_batch"), ("bert", "lm_batch"), ("t5", "t5_batch")])
+def test_transformers_bit_exact_kvikio(tmp_path: Path, fake_libcuda: Path, name: str, batch: str) -> None:
     require_kvikio()
     code = f"""
         import json
         from tests import models
         from tests.twin import run_twins
         cache = run_twins(
-            models.gpt2, models.lm_batch, steps=3, offloader="ssd", offload_devices=("cpu",),
+            models.{name}, models.{batch}, steps=3, offloader="ssd", offload_devices=("cpu",),
             min_offload_bytes=0, ssd_dirs=({str(tmp_path)!r},), ssd_engine="kvikio",
         )
         assert cache.offloader.engine == "kvikio"
