@@ -8,7 +8,6 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,9 +16,10 @@ from torch import nn
 from tba import _torch_compat as compat
 from tba.cache.entries import Entry, Handle
 from tba.cache.policy import Boundary, BoundaryDecision
-from tba.cache.profile import StepProfile
 from tba.cache.scopes import Record, Scope, Unit, find_units, matches
+from tba.cache.stages import StageHint
 from tba.cache.stats import CacheStats, format_summary
+from tba.cache.steps import Steps, tensors_in
 from tba.cache.streams import DeviceStreams, StreamLayer
 from tba.cache.trace import TraceRecorder
 from tba.cache.transfers import Transfers
@@ -32,21 +32,6 @@ __all__ = ["TensorCache", "StageHint"]
 logger = logging.getLogger(__name__)
 
 _STAMPS = itertools.count(1)  # Note [Storage stamps]
-_BACKWARD_ACTIONS = ("backward", "input_grad", "weight_grad")
-_ACTIONS = ("forward",) + _BACKWARD_ACTIONS
-_BANDWIDTH_DRIFT = 1.5  # re-profile when measured write bandwidth moves by this factor
-
-
-@dataclasses.dataclass(frozen=True)
-class StageHint:
-    """What a pipeline scheduler said runs now and next (see ``TensorCache.set_stage``)."""
-
-    stage: int
-    microbatch: int | None
-    action: str
-    next_stage: int | None = None
-    next_microbatch: int | None = None
-    next_action: str | None = None
 
 
 class TensorCache:
@@ -104,19 +89,7 @@ class TensorCache:
         self.stage_log: collections.deque[tuple[int, int | None, str]] = collections.deque(
             maxlen=1 << 16
         )
-        self._window_open = False
-        self._window_backward = False
-        self._last = CacheStats()
-        self._total = CacheStats()
-        self._reserved = False
-        self._steps_done = 0
-        self._history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
-        self._profile: StepProfile | None = None
-        # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
-        self._profile_due = config.profile_step if config.adaptive and offloader else None
-        self._signature: tuple | None = None
-        self._num_forwards = 0  # forwards (microbatches) in the running step
-        self._forwards_per_step: int | None = None
+        self._steps = Steps(config, self._transfers, self.boundary, offloader, self._on_cuda)
         self._closed = False
         self._thread = threading.get_ident()
         self._handles: list[Any] = []
@@ -126,7 +99,7 @@ class TensorCache:
     def stats(self, cumulative: bool = False) -> CacheStats:
         """Counters of the last completed step, or totals over all steps with ``cumulative``."""
         with self._lock:
-            return dataclasses.replace(self._total if cumulative else self._last)
+            return dataclasses.replace(self._steps.total if cumulative else self._steps.last)
 
     @property
     def adaptive_decision(self) -> BoundaryDecision | None:
@@ -138,7 +111,7 @@ class TensorCache:
         """A readable table of the last ``last`` steps: bytes offloaded, forwarded,
         deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded."""
         with self._lock:
-            rows = list(self._history)[-last:]
+            rows = list(self._steps.history)[-last:]
         return format_summary(rows, self.num_blocks, self.boundary.decision)
 
     def export_trace(self, path: str) -> int:
@@ -168,24 +141,12 @@ class TensorCache:
         when its own backward comes next. A backward prefetches that record's tensors, last
         blocks first; a known next backward is prefetched while the current action runs.
         """
-        problems = [
-            f"{name}={value!r}: expected one of {_ACTIONS}"
-            for name, value in (("action", action), ("next_action", next_action))
-            if value is not None and value not in _ACTIONS
-        ]
-        if action is None or problems:
-            raise ValueError("TensorCache.set_stage: " + "; ".join(problems or ["action is required"]))
         hint = StageHint(stage, microbatch, action, next_stage, next_microbatch, next_action)
         with self._lock:
             self._hint = hint
             self.stage_log.append((stage, microbatch, action))
-            targets = []
-            if action in _BACKWARD_ACTIONS:
-                targets.append((stage, microbatch))
-            if next_action in _BACKWARD_ACTIONS:
-                targets.append((next_stage if next_stage is not None else stage, next_microbatch))
-            for key in targets:
-                record = self._records.get(key)  # type: ignore[arg-type]
+            for key in hint.prefetch_keys:
+                record = self._records.get(key)
                 if record is not None and record.scopes:
                     self._prefetch_from(record.scopes[-1])
 
@@ -260,17 +221,7 @@ class TensorCache:
             for t in itertools.chain(self.model.parameters(), self.model.buffers())
         )
         with self._lock:
-            self._begin_record()
-            if self.config.adaptive:
-                self._check_signature(args)
-            if self._profile_due is not None and self._profile is None:
-                if self._steps_done + 1 >= self._profile_due:
-                    self.boundary.tail_start = self.boundary.default_tail_start
-                    self._profile = StepProfile(
-                        self.num_blocks, self._on_cuda(), lambda: self._transfers.step.store_wait_s
-                    )
-            if self._profile is not None:
-                self._profile.start(None)
+            self._begin_record(args)
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
 
@@ -282,35 +233,28 @@ class TensorCache:
             return
         ctx, self._hooks_ctx = self._hooks_ctx, None
         ctx.__exit__(None, None, None)
-        if self._profile is not None:
-            self._profile.end(None)
+        self._steps.end_forward()
         self._unit_stack.clear()
         self._root_scope = None
         self._skip_depth = 0
 
-    def _begin_record(self) -> None:
+    def _begin_record(self, args: Any) -> None:
         hint = self._hint
-        if not self._window_open:
-            self._window_open = True
-            self._window_backward = False
-        elif (
-            self._window_backward
+        if (
+            self._steps.open
+            and self._steps.backward_seen
             and hint is None
             and all(r.backward_started for r in self._records.values())
         ):
             # Backward ran for everything, yet some graph is still alive (retain_graph, or a
             # graph kept by the user): the step is over all the same.
-            self._close_window()
-            self._window_open = True
+            self._finish_step()
+        self._steps.begin_forward(args)
         if hint is not None and hint.action == "forward":
-            key = (hint.stage, hint.microbatch if hint.microbatch is not None else -1)
-            keep_tail = hint.next_action is None or (
-                hint.next_action in _BACKWARD_ACTIONS and hint.next_microbatch == hint.microbatch
-            )
+            key, keep_tail = hint.record_key, hint.keeps_tail
         else:
             key, keep_tail = (-1, next(self._auto_keys)), True
         self._record = self._records[key] = Record(key, keep_tail)
-        self._num_forwards += 1
 
     def _unit_pre(self, unit: Unit, module: nn.Module, args: Any) -> None:
         if self._hooks_ctx is None or compat.in_backward():
@@ -325,20 +269,20 @@ class TensorCache:
             record.in_tail = True  # this block and everything after it stay in memory
         keep = record.in_tail or bool(self._unit_stack and self._unit_stack[-1][2])
         self._unit_stack.append([unit, None, keep])
-        if self._profile is not None and unit.block_index is not None:
-            self._profile.start(unit.block_index)
+        if self._steps.profile is not None and unit.block_index is not None:
+            self._steps.profile.start(unit.block_index)
         self._root_scope = None
 
     def _unit_post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         if self._hooks_ctx is None or compat.in_backward() or not self._unit_stack:
             return
         _, scope, _ = self._unit_stack.pop()
-        if self._profile is not None and unit.block_index is not None:
-            self._profile.end(unit.block_index)
+        if self._steps.profile is not None and unit.block_index is not None:
+            self._steps.profile.end(unit.block_index)
         if scope is None or self._closed:
             return
         seen: set[int] = set()
-        for tensor in _tensors_in(output):
+        for tensor in tensors_in(output):
             fn = tensor.grad_fn
             if fn is not None and id(fn) not in seen:
                 seen.add(id(fn))
@@ -403,10 +347,11 @@ class TensorCache:
                     and nbytes >= self.config.min_offload_bytes
                 )
                 entry = self._entries[key] = Entry(key, storage, offload)
-                if self._profile is not None and scope.unit is not None:
+                profile = self._steps.profile
+                if profile is not None and scope.unit is not None:
                     block = scope.unit.block_index
                     if block is not None and nbytes >= self.config.min_offload_bytes:
-                        self._profile.add_bytes(block, nbytes)
+                        profile.add_bytes(block, nbytes)
                 if offload:
                     entry.event = transfers.streams.producer_event(tensor.device)
                 transfers.add(entry)
@@ -447,7 +392,7 @@ class TensorCache:
         with self._lock:
             scope.backward_entered = True
             scope.record.backward_started = True
-            self._window_backward = True
+            self._steps.backward_seen = True
             self._prefetch_from(scope)
 
     def _prefetch_from(self, scope: Scope) -> None:
@@ -482,76 +427,18 @@ class TensorCache:
             # because a graph died without one (forward-only with grad enabled).
             if (
                 not self._entries
-                and self._window_open
-                and (self._window_backward or self._hooks_ctx is None)
+                and self._steps.open
+                and (self._steps.backward_seen or self._hooks_ctx is None)
                 and (self._hint is None or self._hint.next_action is None)
             ):
-                self._close_window()
+                self._finish_step()
 
-    def _close_window(self) -> None:
-        step = self._transfers.take_step()
-        self._window_open = False
-        self._window_backward = False
+    def _finish_step(self) -> None:
+        self._steps.finish()
         self._records.clear()
         self._grad_fn_hooks.clear()  # their graphs are gone; a live one only finds a no-op
-        self._last = step
-        self._total = self._total.merged(step)
-        self._steps_done += 1
-        self._history.append((self._steps_done, step, self.boundary.tail_start))
-        forwards, self._num_forwards = self._num_forwards, 0
-        if self._forwards_per_step not in (None, forwards) and self.boundary.decision is not None:
-            logger.info("tba adaptive: %d forwards per step instead of %d, re-profiling",
-                        forwards, self._forwards_per_step)
-            self._profile_due = self._steps_done + 1
-        self._forwards_per_step = forwards
-        if self._profile is not None:
-            profile, self._profile = self._profile, None
-            self._decide(profile, step)
-        elif self.boundary.decision is not None and step.write_bytes_per_s > 0:
-            ratio = step.write_bytes_per_s / max(self.boundary.decision.write_bytes_per_s, 1e-9)
-            if not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
-                logger.info("tba adaptive: write bandwidth moved %.2fx, re-profiling", ratio)
-                self._profile_due = self._steps_done + 1
-        reserve_after = self.config.profile_step if self.config.adaptive else 1
-        if (
-            not self._reserved
-            and self._steps_done >= reserve_after
-            and self.offloader is not None
-            and self._transfers.peak_held_bytes
-        ):
-            self._reserved = True
-            self.offloader.reserve(self._transfers.peak_held_bytes)
-        self._transfers.trace.end_step()
-        logger.debug("tba step finished: %s", step)
-
-    def _decide(self, profile: StepProfile, step: CacheStats) -> None:
-        block_s, forward_s = profile.finish()
-        if step.write_bytes_per_s <= 0:
-            logger.debug("tba adaptive: nothing was written in the profiled step; profiling the next")
-            self._profile_due = self._steps_done + 1
-            return
-        self.boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
-        self._profile_due = None
-
-    def _check_signature(self, args: Any) -> None:
-        """Re-profile when the shapes of the model's inputs change."""
-        signature = tuple(tuple(t.shape) for t in _tensors_in(args))
-        if self._signature is not None and signature != self._signature and self.boundary.decision:
-            logger.info("tba adaptive: input shapes changed (%s -> %s), re-profiling", self._signature, signature)
-            self._profile_due = self._steps_done + 1
-        self._signature = signature
 
     def _on_cuda(self) -> bool:
         param = next(self.model.parameters(), None)
         return param is not None and param.device.type == "cuda"
 
-
-def _tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif depth < 3 and isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _tensors_in(item, depth + 1)
-    elif depth < 3 and isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors_in(item, depth + 1)

@@ -208,7 +208,7 @@ def test_error_in_forward_leaves_no_hooks_active() -> None:
             self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.blocks[0](x).exp()
+            self.blocks[0](x).exp()  # saves a tensor, then fails
             raise RuntimeError("boom")
 
     model = Boom()
@@ -254,3 +254,32 @@ def test_block_modules_override() -> None:
         assert blocks == ["blocks.0", "blocks.2", "head"]
         # Everything else still opens scopes of its own.
         assert {"embed", "blocks.1", "blocks.3"} <= {u.name for u in by_name.units}
+
+
+def test_set_stage_validates_logs_and_decides_the_tail() -> None:
+    model = models.Stack(num_blocks=3)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0,
+                                    adaptive=False) as cache:
+        with pytest.raises(ValueError, match="action='fwd'.*next_action='bwd'"):
+            cache.set_stage(microbatch=0, action="fwd", next_action="bwd")
+        # No hint: the last block and what follows it stay in memory.
+        loss = model(models.vector_batch(0))
+        (record,) = cache._records.values()
+        assert [s.keep for s in record.scopes][-2:] == [True, True]
+        loss.backward()
+        # GPipe-like hint: the next action is another forward, so no tail is kept.
+        cache.set_stage(microbatch=0, action="forward", next_microbatch=1, next_action="forward")
+        loss = model(models.vector_batch(0))
+        assert not any(s.keep for s in cache._records[(0, 0)].scopes)
+        # 1F1B on the last stage: this microbatch's backward comes next, so keep its tail.
+        cache.set_stage(microbatch=1, action="forward", next_microbatch=1, next_action="backward")
+        loss2 = model(models.vector_batch(1))
+        assert cache._records[(0, 1)].scopes[-1].keep
+        cache.set_stage(microbatch=1, action="backward", next_microbatch=0, next_action="backward")
+        loss2.backward()
+        cache.set_stage(microbatch=0, action="backward")
+        loss.backward()
+        assert list(cache.stage_log) == [(0, 0, "forward"), (0, 1, "forward"), (0, 1, "backward"),
+                                         (0, 0, "backward")]
+        # The unhinted step, then one pipelined step holding both microbatches.
+        assert cache.stats(cumulative=True).num_steps == 2

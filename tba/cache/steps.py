@@ -1,0 +1,142 @@
+"""`Steps`: where steps begin and end, their stats, and the adaptive profile-and-decide cycle."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from tba.cache.policy import Boundary
+from tba.cache.profile import StepProfile
+from tba.cache.stats import CacheStats
+from tba.cache.transfers import Transfers
+from tba.config import TensorCacheConfig
+from tba.offloaders.base import Offloader
+
+__all__ = ["Steps", "tensors_in"]
+
+logger = logging.getLogger(__name__)
+
+_BANDWIDTH_DRIFT = 1.5  # re-profile when measured write bandwidth moves by this factor
+
+
+class Steps:
+    """Tracks the running step and keeps the finished ones' counters.
+
+    A step opens at a forward of the model and finishes (``finish``, called by the cache) when
+    everything it saved was released. With ``adaptive``, the step ``profile_step`` is profiled
+    and the boundary decided from it; a change of input shapes, of forwards per step, or of the
+    measured write bandwidth schedules a new profile. All methods run under the cache's lock.
+    """
+
+    def __init__(
+        self,
+        config: TensorCacheConfig,
+        transfers: Transfers,
+        boundary: Boundary,
+        offloader: Offloader | None,
+        on_cuda: Callable[[], bool],
+    ) -> None:
+        self._config = config
+        self._transfers = transfers
+        self._boundary = boundary
+        self._offloader = offloader
+        self._on_cuda = on_cuda
+        self.open = False
+        self.backward_seen = False
+        self.last = CacheStats()
+        self.total = CacheStats()
+        self.history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
+        self.profile: StepProfile | None = None
+        self._num_done = 0
+        # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
+        self._profile_due = config.profile_step if config.adaptive and offloader else None
+        self._signature: tuple | None = None
+        self._num_forwards = 0  # forwards (microbatches) in the running step
+        self._forwards_per_step: int | None = None
+        self._reserved = False
+
+    def begin_forward(self, args: Any) -> None:
+        """A forward of the model starts: open a step if none is, profile it if due."""
+        if not self.open:
+            self.open = True
+            self.backward_seen = False
+        self._num_forwards += 1
+        if self._config.adaptive:
+            self._check_signature(args)
+        due = self._profile_due
+        if self.profile is None and due is not None and self._num_done + 1 >= due:
+            self._boundary.tail_start = self._boundary.default_tail_start
+            self.profile = StepProfile(
+                self._boundary.num_blocks, self._on_cuda(), lambda: self._transfers.step.store_wait_s
+            )
+        if self.profile is not None:
+            self.profile.start(None)
+
+    def end_forward(self) -> None:
+        if self.profile is not None:
+            self.profile.end(None)
+
+    def finish(self) -> CacheStats:
+        """Close the running step: record its counters, decide or re-profile, size the pool."""
+        step = self._transfers.take_step()
+        self.open = False
+        self.backward_seen = False
+        self.last = step
+        self.total = self.total.merged(step)
+        self._num_done += 1
+        self.history.append((self._num_done, step, self._boundary.tail_start))
+        decision = self._boundary.decision
+        forwards, self._num_forwards = self._num_forwards, 0
+        if self._forwards_per_step not in (None, forwards) and decision is not None:
+            self._reprofile(f"{forwards} forwards per step instead of {self._forwards_per_step}")
+        self._forwards_per_step = forwards
+        if self.profile is not None:
+            profile, self.profile = self.profile, None
+            self._decide(profile, step)
+        elif decision is not None and step.write_bytes_per_s > 0:
+            ratio = step.write_bytes_per_s / max(decision.write_bytes_per_s, 1e-9)
+            if not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
+                self._reprofile(f"write bandwidth moved {ratio:.2f}x")
+        reserve_after = self._config.profile_step if self._config.adaptive else 1
+        peak_held = self._transfers.peak_held_bytes
+        if not self._reserved and self._num_done >= reserve_after and self._offloader and peak_held:
+            self._reserved = True
+            self._offloader.reserve(peak_held)
+        self._transfers.trace.end_step()
+        logger.debug("tba step finished: %s", step)
+        return step
+
+    def _reprofile(self, why: str) -> None:
+        logger.info("tba adaptive: %s, re-profiling", why)
+        self._profile_due = self._num_done + 1
+
+    def _decide(self, profile: StepProfile, step: CacheStats) -> None:
+        block_s, forward_s = profile.finish()
+        if step.write_bytes_per_s <= 0:
+            logger.debug("tba adaptive: nothing was written in the profiled step; profiling the next")
+            self._profile_due = self._num_done + 1
+            return
+        self._boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
+        self._profile_due = None
+
+    def _check_signature(self, args: Any) -> None:
+        signature = tuple(tuple(t.shape) for t in tensors_in(args))
+        if self._signature is not None and signature != self._signature and self._boundary.decision:
+            self._reprofile(f"input shapes changed ({self._signature} -> {signature})")
+        self._signature = signature
+
+
+def tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors in a module's output or arguments (tuples, lists and dicts, 3 levels deep)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif depth < 3 and isinstance(output, (tuple, list)):
+        for item in output:
+            yield from tensors_in(item, depth + 1)
+    elif depth < 3 and isinstance(output, dict):
+        for item in output.values():
+            yield from tensors_in(item, depth + 1)
