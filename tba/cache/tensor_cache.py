@@ -315,6 +315,8 @@ class TensorCache:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if self._transfers.error is not None:
             self._transfers.raise_pending()
+        if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+            return self._pack_subclass(tensor)
         if (
             tensor.device.type not in self._devices
             or type(tensor) is not torch.Tensor
@@ -364,7 +366,24 @@ class TensorCache:
                 scope.entries.append(entry)
         return Handle(self, entry, tensor, scope)
 
+    def _pack_subclass(self, tensor: torch.Tensor) -> Any:
+        """A wrapper subclass (DTensor, ...): pack the plain tensors it holds, rebuild it on
+        unpack through the subclass's own flatten/unflatten protocol."""
+        if tensor.requires_grad and tensor.is_leaf:
+            return tensor  # a parameter
+        names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        inner = {}
+        for name in names:
+            value = getattr(tensor, name)
+            inner[name] = self._pack(value) if isinstance(value, torch.Tensor) else value
+        if not any(isinstance(p, (Handle, _PackedSubclass)) for p in inner.values()):
+            return tensor
+        return _PackedSubclass(type(tensor), inner, context, tensor.size(), tensor.stride())
+
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _PackedSubclass):
+            inner = {name: self._unpack(p) for name, p in packed.inner.items()}
+            return packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
         if not isinstance(packed, Handle):
             return packed
         if self._transfers.error is not None:
@@ -442,3 +461,13 @@ class TensorCache:
         param = next(self.model.parameters(), None)
         return param is not None and param.device.type == "cuda"
 
+
+@dataclasses.dataclass(frozen=True)
+class _PackedSubclass:
+    """What autograd keeps for a wrapper-subclass tensor: its packed inner tensors."""
+
+    cls: type
+    inner: dict[str, Any]
+    context: Any
+    size: torch.Size
+    stride: tuple[int, ...]
