@@ -69,7 +69,7 @@ def solve_boundary(
         if window_s <= 0 or need / window_s > write_bytes_per_s:
             return n, (
                 f"block {n}: {need / 2**20:.1f} MiB to write in {max(window_s, 0) * 1e3:.1f} ms "
-                f"needs more than {write_bytes_per_s / 2**30:.2f} GiB/s"
+                f"needs more than the measured {write_bytes_per_s / 2**20:.1f} MiB/s"
             )
         sum_v += v
         sum_t += t

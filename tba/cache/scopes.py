@@ -18,7 +18,7 @@ from torch import nn
 if TYPE_CHECKING:
     from tba.cache.entries import Entry
 
-__all__ = ["Unit", "find_units", "matches", "Scope", "Record"]
+__all__ = ["Unit", "find_units", "matches", "Scope", "Record", "ForwardPass"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -142,3 +142,52 @@ class Record:
         self.keep_tail = keep_tail  # whether the last blocks stay in memory for this pass
         self.in_tail = False  # forward has reached the kept tail
         self.backward_started = False
+
+
+class ForwardPass:
+    """The forward pass in progress: the record it fills, the units running (innermost last)
+    and how many skipped modules are active. Scopes are created when a unit first saves."""
+
+    def __init__(self) -> None:
+        self.record: Record | None = None
+        self.units: list[list] = []  # [unit, scope or None, keep]
+        self.skip_depth = 0
+        self._loose_scope: Scope | None = None  # tensors saved outside every unit
+
+    def begin(self, record: Record) -> None:
+        self.end()
+        self.record = record
+
+    def end(self) -> None:
+        self.record = None
+        self.units.clear()
+        self.skip_depth = 0
+        self._loose_scope = None
+
+    def enter(self, unit: Unit, tail_start: int) -> None:
+        record = self.record
+        assert record is not None
+        if record.keep_tail and unit.block_index is not None and unit.block_index >= tail_start:
+            record.in_tail = True  # this block and everything after it stay in memory
+        keep = record.in_tail or bool(self.units and self.units[-1][2])
+        self.units.append([unit, None, keep])
+        self._loose_scope = None
+
+    def exit(self) -> Scope | None:
+        """Leave the innermost unit; its scope, if it saved anything."""
+        return self.units.pop()[1] if self.units else None
+
+    def scope(self) -> Scope:
+        """The scope a tensor saved now belongs to."""
+        record = self.record
+        assert record is not None
+        if self.units:
+            top = self.units[-1]
+            if top[1] is None:
+                top[1] = Scope(record, len(record.scopes), top[0], top[2])
+                record.scopes.append(top[1])
+            return top[1]
+        if self._loose_scope is None:
+            self._loose_scope = Scope(record, len(record.scopes), None, record.in_tail)
+            record.scopes.append(self._loose_scope)
+        return self._loose_scope

@@ -16,7 +16,7 @@ from torch import nn
 from tba import _torch_compat as compat
 from tba.cache.entries import Entry, Handle
 from tba.cache.policy import Boundary, BoundaryDecision
-from tba.cache.scopes import Record, Scope, Unit, find_units, matches
+from tba.cache.scopes import ForwardPass, Record, Scope, Unit, find_units, matches
 from tba.cache.stages import StageHint
 from tba.cache.stats import CacheStats, format_summary
 from tba.cache.steps import Steps, tensors_in
@@ -74,11 +74,8 @@ class TensorCache:
         self.boundary = Boundary(self.num_blocks, config.keep_last_modules)
         self._entries: dict[tuple[int, int], Entry] = {}
         self._records: dict[tuple[int, int], Record] = {}
-        self._record: Record | None = None
         self._auto_keys = itertools.count()
-        self._unit_stack: list[list[Any]] = []  # [unit, scope or None, keep]
-        self._root_scope: Scope | None = None
-        self._skip_depth = 0
+        self._forward = ForwardPass()
         self._depth = 0
         self._hooks_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._param_ptrs: frozenset[int] = frozenset()
@@ -170,7 +167,7 @@ class TensorCache:
             entries = list(self._entries.values())
             self._entries.clear()
             self._records.clear()
-            self._record = None
+            self._forward.end()
         self._transfers.close(entries)
         if self.offloader is not None:
             self.offloader.close()
@@ -234,9 +231,7 @@ class TensorCache:
         ctx, self._hooks_ctx = self._hooks_ctx, None
         ctx.__exit__(None, None, None)
         self._steps.end_forward()
-        self._unit_stack.clear()
-        self._root_scope = None
-        self._skip_depth = 0
+        self._forward.end()
 
     def _begin_record(self, args: Any) -> None:
         hint = self._hint
@@ -254,29 +249,20 @@ class TensorCache:
             key, keep_tail = hint.record_key, hint.keeps_tail
         else:
             key, keep_tail = (-1, next(self._auto_keys)), True
-        self._record = self._records[key] = Record(key, keep_tail)
+        self._records[key] = record = Record(key, keep_tail)
+        self._forward.begin(record)
 
     def _unit_pre(self, unit: Unit, module: nn.Module, args: Any) -> None:
         if self._hooks_ctx is None or compat.in_backward():
             return
-        record = self._record
-        assert record is not None
-        if (
-            record.keep_tail
-            and unit.block_index is not None
-            and unit.block_index >= self.boundary.tail_start
-        ):
-            record.in_tail = True  # this block and everything after it stay in memory
-        keep = record.in_tail or bool(self._unit_stack and self._unit_stack[-1][2])
-        self._unit_stack.append([unit, None, keep])
+        self._forward.enter(unit, self.boundary.tail_start)
         if self._steps.profile is not None and unit.block_index is not None:
             self._steps.profile.start(unit.block_index)
-        self._root_scope = None
 
     def _unit_post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
-        if self._hooks_ctx is None or compat.in_backward() or not self._unit_stack:
+        if self._hooks_ctx is None or compat.in_backward():
             return
-        _, scope, _ = self._unit_stack.pop()
+        scope = self._forward.exit()
         if self._steps.profile is not None and unit.block_index is not None:
             self._steps.profile.end(unit.block_index)
         if scope is None or self._closed:
@@ -291,25 +277,11 @@ class TensorCache:
 
     def _skip_pre(self, module: nn.Module, args: Any) -> None:
         if self._hooks_ctx is not None and not compat.in_backward():
-            self._skip_depth += 1
+            self._forward.skip_depth += 1
 
     def _skip_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._hooks_ctx is not None and not compat.in_backward() and self._skip_depth:
-            self._skip_depth -= 1
-
-    def _current_scope(self) -> Scope:
-        record = self._record
-        assert record is not None
-        if self._unit_stack:
-            top = self._unit_stack[-1]
-            if top[1] is None:
-                top[1] = Scope(record, len(record.scopes), top[0], top[2])
-                record.scopes.append(top[1])
-            return top[1]
-        if self._root_scope is None:
-            self._root_scope = Scope(record, len(record.scopes), None, record.in_tail)
-            record.scopes.append(self._root_scope)
-        return self._root_scope
+        if self._hooks_ctx is not None and not compat.in_backward() and self._forward.skip_depth:
+            self._forward.skip_depth -= 1
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -335,7 +307,7 @@ class TensorCache:
             stamp = next(_STAMPS)
             setattr(storage, compat.STAMP_ATTR, stamp)
         key = (stamp, tensor._version)
-        scope = self._current_scope()
+        scope = self._forward.scope()
         transfers = self._transfers
         with self._lock:
             transfers.step.num_packed += 1
@@ -345,7 +317,7 @@ class TensorCache:
                 offload = (
                     transfers.offloader is not None
                     and not scope.keep
-                    and self._skip_depth == 0
+                    and self._forward.skip_depth == 0
                     and nbytes >= self.config.min_offload_bytes
                 )
                 entry = self._entries[key] = Entry(key, storage, offload)

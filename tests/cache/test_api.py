@@ -215,7 +215,7 @@ def test_error_in_forward_leaves_no_hooks_active() -> None:
     with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0) as cache:
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.randn(2, 4, requires_grad=True))
-        assert cache._hooks_ctx is None
+        assert cache._hooks_ctx is None and cache._forward.record is None
         # Tensors saved now are autograd's own again.
         x = torch.randn(3, requires_grad=True)
         before = cache.stats(cumulative=True).num_packed
@@ -231,7 +231,7 @@ def test_skip_modules_are_never_offloaded() -> None:
         decisions = []
         original = cache._transfers.add
         cache._transfers.add = lambda e: decisions.append(  # type: ignore[method-assign]
-            ([u.name for u, _, _ in cache._unit_stack], cache._skip_depth, e.offload)) or original(e)
+            ([u.name for u, _, _ in cache._forward.units], cache._forward.skip_depth, e.offload)) or original(e)
         model(models.vector_batch(0)).backward()
     in_skipped_block = [off for stack, _, off in decisions if stack == ["blocks.1"]]
     in_dropout = [off for stack, depth, off in decisions if stack != ["blocks.1"] and depth]
