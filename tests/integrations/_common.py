@@ -50,6 +50,26 @@ def pausing(seconds: float = 0.02) -> Iterator[None]:
         pause_s = 0.0
 
 
+def recording_cache(module: torch.nn.Module) -> Any:
+    """A fake cache that records the hints, registered for ``module``."""
+    from tba.integrations import registry
+    from tests.integrations._fakes import RecordingCache
+
+    cache = RecordingCache()
+    registry.register(cache, module)
+    return cache
+
+
+@contextlib.contextmanager
+def patched(engine: Any) -> Iterator[None]:
+    """``engine.patch()`` for the duration of the block."""
+    engine.patch()
+    try:
+        yield
+    finally:
+        engine.unpatch()
+
+
 def real_cache(module: torch.nn.Module, offloader: str, tmp_dir: str) -> Any:
     import tba
 

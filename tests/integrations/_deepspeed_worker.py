@@ -177,7 +177,6 @@ def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool
     import deepspeed
 
     from tba.integrations import deepspeed as tds
-    from tba.integrations import registry
     from tests.integrations._dist import run_cases
 
     # The CPU accelerator JIT-builds a shared-memory allreduce kernel (~110 s on 2 cores) that
@@ -187,18 +186,9 @@ def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the existing process group
 
-    @contextlib.contextmanager
-    def patched() -> Iterator[None]:
-        tds.patch()
-        try:
-            yield
-        finally:
-            tds.unpatch()
+    patched = functools.partial(_common.patched, tds)
 
-    def recording(module: nn.Module) -> RecordingCache:
-        cache = RecordingCache()
-        registry.register(cache, module)
-        return cache
+    recording = _common.recording_cache
 
     results: dict[str, Any] = {}
 

@@ -219,25 +219,15 @@ def run_schedule(
 
 def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool, Any]]:
     from tba.integrations import megatron as tm
-    from tba.integrations import registry
     from tests.integrations._dist import run_cases
 
     install_cuda_shim()
     self_groups = [dist.new_group([r], backend="gloo") for r in range(world)]
     groups = {"self": self_groups[rank], "world": dist.group.WORLD}
 
-    @contextlib.contextmanager
-    def patched() -> Iterator[None]:
-        tm.patch()
-        try:
-            yield
-        finally:
-            tm.unpatch()
+    patched = functools.partial(_common.patched, tm)
 
-    def recording(module: nn.Module) -> RecordingCache:
-        cache = RecordingCache()
-        registry.register(cache, module)
-        return cache
+    recording = _common.recording_cache
 
     baselines: dict[str, Any] = {}
     cases: dict[str, Any] = {}

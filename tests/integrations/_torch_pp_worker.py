@@ -213,21 +213,12 @@ def run_eval(name: str, rank: int, world: int, make_cache: Any, patched: Any) ->
 
 
 def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool, Any]]:
-    from tba.integrations import registry, torch_pipelining
+    from tba.integrations import torch_pipelining
     from tests.integrations._dist import run_cases
 
-    def recording(module: nn.Module) -> RecordingCache:
-        cache = RecordingCache()
-        registry.register(cache, module)
-        return cache
+    recording = _common.recording_cache
 
-    @contextlib.contextmanager
-    def patched() -> Iterator[None]:
-        torch_pipelining.patch()
-        try:
-            yield
-        finally:
-            torch_pipelining.unpatch()
+    patched = functools.partial(_common.patched, torch_pipelining)
 
     cases: dict[str, Any] = {}
     baselines: dict[str, dict[str, Any]] = {}
