@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import itertools
 import logging
-import threading
 from typing import Any
 
 import torch
@@ -88,7 +87,6 @@ class TensorCache:
         )
         self._steps = Steps(config, self._transfers, self.boundary, offloader, self._on_cuda)
         self._closed = False
-        self._thread = threading.get_ident()
         self._handles: list[Any] = []
         self._install_hooks()
 
