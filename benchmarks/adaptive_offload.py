@@ -5,7 +5,8 @@ boundary keeps the later blocks in memory so the step stays fast.
 
     python benchmarks/adaptive_offload.py                            # CPU, 400 MiB/s writes
     python benchmarks/adaptive_offload.py --write-mib-s 0            # unthrottled host pool
-    python benchmarks/adaptive_offload.py --device cuda --width 4096 --batch 8192 --write-mib-s 0
+    python benchmarks/adaptive_offload.py --device cuda --width 2048 --batch 8192 --write-mib-s 0 \
+        --max-inflight-mib 4096                                      # what gpu_suite.sh runs
 """
 
 from __future__ import annotations
