@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"({row['median_step_s'] / keep['median_step_s']:.2f}x keep)  peak resident "
               f"{row['peak_resident_bytes'] / 2**20:7.1f} MiB "
               f"({row['peak_resident_bytes'] / max(keep['peak_resident_bytes'], 1):.2f}x keep)  "
-              f"offloaded blocks {row['offloaded_blocks']}/{args.blocks}  stall {row['stall_s'] * 1e3:.1f} ms")
+              f"offloaded blocks {row['offloaded_blocks']}/{args.blocks}  stall {row['stall_s'] * 1e3:.1f} ms"
+              + (f"  cuda peak {row['cuda_peak_bytes'] / 2**20:.0f} MiB "
+                 f"({row['cuda_peak_bytes'] / max(keep['cuda_peak_bytes'], 1):.2f}x keep)"
+                 if row["cuda_peak_bytes"] is not None else ""))
     result = {"environment": env, "args": vars(args), "rows": rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

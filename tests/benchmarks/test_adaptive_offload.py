@@ -1,0 +1,30 @@
+"""Smoke test: the adaptive-offload benchmark runs at a tiny size and writes sane JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_adaptive_offload_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "adaptive.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "adaptive_offload.py"), "--blocks", "3",
+         "--width", "32", "--batch", "16", "--steps", "4", "--warmup", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["rows"]] == ["keep", "fixed", "adaptive"]
+    keep, fixed, _ = result["rows"]
+    assert keep["offloaded_bytes"] == 0 and keep["offloaded_blocks"] == 0
+    assert fixed["offloaded_blocks"] == 2  # all but the kept tail
+    assert all(r["median_step_s"] > 0 and r["peak_resident_bytes"] > 0 for r in result["rows"])
+    assert {"device", "torch", "tba", "command"} <= result["environment"].keys()
+    assert "adaptive:" in proc.stdout
