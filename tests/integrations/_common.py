@@ -70,6 +70,22 @@ def patched(engine: Any) -> Iterator[None]:
         engine.unpatch()
 
 
+def new_results() -> dict[str, Any]:
+    """What an engine worker returns, per step: losses, grads, hint logs, look-ahead, stats."""
+    return {key: [] for key in ("losses", "grads", "logs", "lookahead", "stats", "executed")}
+
+
+def record_caches(out: dict[str, Any], caches: dict[int, Any], starts: dict[int, int]) -> None:
+    """Append this step's hint log (from ``starts``), look-ahead and stats of every cache."""
+    from tests.integrations._fakes import RecordingCache
+
+    out["logs"].append({s: list(getattr(c, "stage_log", ()))[starts[s]:] for s, c in caches.items()})
+    out["lookahead"].append(
+        {s: c.lookahead_log() for s, c in caches.items() if isinstance(c, RecordingCache)}
+    )
+    out["stats"].append({s: stats_dict(c) for s, c in caches.items()})
+
+
 def real_cache(module: torch.nn.Module, offloader: str, tmp_dir: str) -> Any:
     import tba
 

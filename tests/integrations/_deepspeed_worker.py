@@ -126,14 +126,7 @@ def run_engine(
         for n, p in engine.module.named_parameters()
     ]
     gen = torch.Generator().manual_seed(5)
-    out: dict[str, Any] = {
-        "losses": [],
-        "grads": [],
-        "logs": [],
-        "lookahead": [],
-        "stats": [],
-        "executed": [],
-    }
+    out = _common.new_results()
     try:
         for _ in range(NUM_STEPS):
             data = [

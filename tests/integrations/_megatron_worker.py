@@ -154,14 +154,7 @@ def run_schedule(
     p2p = P2PCommunicator(pp_group=pgc.pp, config=config)
     opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
     gen = torch.Generator().manual_seed(11)
-    out: dict[str, Any] = {
-        "losses": [],
-        "grads": [],
-        "logs": [],
-        "lookahead": [],
-        "stats": [],
-        "executed": [],
-    }
+    out = _common.new_results()
     try:
         for _ in range(NUM_STEPS):
             batches = [
@@ -201,13 +194,7 @@ def run_schedule(
                     for n, p in m.named_parameters()
                 }
             )
-            out["logs"].append(
-                {s: list(getattr(c, "stage_log", ()))[starts[s] :] for s, c in caches.items()}
-            )
-            out["lookahead"].append(
-                {s: c.lookahead_log() for s, c in caches.items() if isinstance(c, RecordingCache)}
-            )
-            out["stats"].append({s: _common.stats_dict(c) for s, c in caches.items()})
+            _common.record_caches(out, caches, starts)
             opt.step()
     finally:
         for c in caches.values():

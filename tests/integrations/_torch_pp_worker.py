@@ -118,10 +118,8 @@ def record_execution(log: list[tuple[int, int, str]]) -> Iterator[None]:
             setattr(base, name, fn)
 
 
-def run_schedule(
-    name: str, rank: int, world: int, make_cache: Any, patched: Any = contextlib.nullcontext
-) -> dict[str, Any]:
-    """Two training steps of schedule ``name``; returns losses, grads and per-cache logs."""
+def build_schedule(name: str, rank: int, world: int, make_cache: Any) -> tuple:
+    """This rank's stage indices, the stage count, stage modules, caches and the schedule."""
     from torch.distributed import pipelining
 
     placement, cls_name = SCHEDULES[name]
@@ -133,16 +131,21 @@ def run_schedule(
     caches = {i: make_cache(modules[i]) for i in local}
     cls = getattr(pipelining, cls_name)
     loss_fn = lambda out, target: F.mse_loss(out, target)  # noqa: E731
-    if placement == "single":
-        schedule = cls(stages[0], n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
-    else:
-        schedule = cls(stages, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
+    target_stages = stages[0] if placement == "single" else stages
+    schedule = cls(target_stages, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
+    return local, num_stages, modules, caches, schedule
+
+
+def run_schedule(
+    name: str, rank: int, world: int, make_cache: Any, patched: Any = contextlib.nullcontext
+) -> dict[str, Any]:
+    """Two training steps of schedule ``name``; returns losses, grads and per-cache logs."""
+    local, num_stages, modules, caches, schedule = build_schedule(name, rank, world, make_cache)
     params = [p for i in local for p in modules[i].parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     gen = torch.Generator().manual_seed(7)
-    out: dict[str, Any] = {"losses": [], "grads": [], "logs": [], "lookahead": [], "stats": []}
+    out = _common.new_results()
     out["schedule_order"] = expected_order(schedule, rank)
-    out["executed"] = []
     try:
         for _ in range(NUM_STEPS):
             x = torch.randn(BATCH, D, generator=gen)
@@ -167,13 +170,7 @@ def run_schedule(
                     for n, p in modules[i].named_parameters()
                 }
             )
-            out["logs"].append(
-                {i: list(getattr(c, "stage_log", ()))[starts[i] :] for i, c in caches.items()}
-            )
-            out["lookahead"].append(
-                {i: c.lookahead_log() for i, c in caches.items() if isinstance(c, RecordingCache)}
-            )
-            out["stats"].append({i: _common.stats_dict(c) for i, c in caches.items()})
+            _common.record_caches(out, caches, starts)
             opt.step()
     finally:
         for c in caches.values():
@@ -185,19 +182,7 @@ def run_schedule(
 
 def run_eval(name: str, rank: int, world: int, make_cache: Any, patched: Any) -> dict:
     """``schedule.eval()`` (forward only) under the patch: only forwards are announced."""
-    from torch.distributed import pipelining
-
-    placement, cls_name = SCHEDULES[name]
-    local, num_stages = stage_indices(placement, rank, world)
-    modules = {i: stage_module(i) for i in local}
-    stages = [
-        pipelining.PipelineStage(modules[i], i, num_stages, torch.device("cpu")) for i in local
-    ]
-    caches = {i: make_cache(modules[i]) for i in local}
-    cls = getattr(pipelining, cls_name)
-    loss_fn = lambda out, target: F.mse_loss(out, target)  # noqa: E731
-    target_stages = stages[0] if placement == "single" else stages
-    schedule = cls(target_stages, n_microbatches=NUM_MICROBATCHES, loss_fn=loss_fn)
+    local, num_stages, _, caches, schedule = build_schedule(name, rank, world, make_cache)
     x, target = torch.randn(BATCH, D), torch.randn(BATCH, D)
     try:
         with patched():
