@@ -194,3 +194,47 @@ def test_parameters_never_offloaded() -> None:
     assert any(not t.is_contiguous() for t in saved_param_views)
     # ... and none of them became a cache entry, while activations did.
     assert managed and not set(managed) & param_ptrs
+
+
+class SavedAtTwoVersions(nn.Module):
+    """A storage saved, then changed in place and saved again: the first save's node never
+    runs backward (its output is unused), the second's does. The second pack must not reuse
+    the bytes written for the first (identity includes the version counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.pause = lambda: None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.blocks[0](x) * 1.0
+        unused = torch.sin(g)  # saves g at version 0; never reaches the loss (kept alive
+        self.pause()  # until cos has saved g again); the test lets g's store finish here
+        g.mul_(2.0)  # version 1
+        out = self.blocks[1](torch.cos(g)).pow(2).mean()  # cos saves g at version 1
+        del unused
+        return out
+
+
+def test_in_place_change_after_store_is_a_new_entry() -> None:
+    import copy
+
+    import tba
+
+    torch.manual_seed(0)
+    model = SavedAtTwoVersions()
+    twin = copy.deepcopy(model)
+    with tba.configure_tensor_cache(model, **OPTIONS, adaptive=False, prefetch_modules=0) as cache:
+
+        def settle() -> None:
+            while cache._transfers.inflight_bytes:
+                threading.Event().wait(0.002)
+
+        model.pause = settle
+        x = torch.randn(8, 16)
+        model(x).backward()
+        stats = cache.stats()
+    twin(x).backward()
+    assert stats.num_offloaded >= 2 and stats.reloaded_bytes > 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
