@@ -114,6 +114,16 @@ class TensorCache:
         JSON (open it in Perfetto or chrome://tracing); returns the number of events."""
         return self._transfers.trace.export(path)
 
+    def wait_for_stores(self, timeout_s: float = 60.0) -> None:
+        """Block until every queued or running store has finished (for tests and debugging:
+        a backward that follows sees every offloaded tensor really read back).
+
+        Raises:
+            TBAError: stores are still in flight after ``timeout_s`` seconds.
+            OffloadIOError: a store failed (with ``on_io_error="raise"``).
+        """
+        self._transfers.wait_for_stores(timeout_s)
+
     def set_stage(
         self,
         *,

@@ -20,7 +20,7 @@ from tba.cache.entries import Entry, State
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
-from tba.errors import OffloadIOError
+from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.base import Offloader
 
 __all__ = ["Transfers"]
@@ -179,6 +179,25 @@ class Transfers:
             # STORING and LOADING: the worker gives the token back when it finishes.
         if token is not None and self.offloader is not None:
             self.offloader.release(token)
+
+    def wait_for_stores(self, timeout_s: float) -> None:
+        """Block until no store is queued or running (bounded by ``timeout_s``).
+
+        Raises:
+            TBAError: stores are still in flight after ``timeout_s`` seconds.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while self.inflight_bytes > 0 and self.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TBAError(
+                        f"tba: {self.inflight_bytes} bytes of stores still in flight after "
+                        f"{timeout_s:g} s; the offloader "
+                        f"{getattr(self.offloader, 'name', None)!r} is stuck or very slow"
+                    )
+                self.cond.wait(remaining)
+        self.raise_pending()
 
     def raise_pending(self) -> None:
         """Raise a store error from a worker on the calling (training) thread, once."""
