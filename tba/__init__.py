@@ -12,6 +12,7 @@ Importing tba initialises no CUDA, loads no native library and installs no hook.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from torch import nn
@@ -91,6 +92,7 @@ def configure_tensor_cache(model: nn.Module, **options: Any) -> TensorCache:
     offloader = make_offloader(config, rank=_rank())
     cache = TensorCache(model, config, offloader)
     registry.register(cache, model)
+    cache.add_close_callback(functools.partial(registry.unregister, model))
     return cache
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ssd_dir", "require_gpu", "hook_library", "pytorch_alloc_conf"]
+__all__ = ["ssd_dir", "require_gpu", "check_invariants", "hook_library", "pytorch_alloc_conf"]
 
 
 def ssd_dir() -> str | None:
@@ -19,6 +19,13 @@ def ssd_dir() -> str | None:
 def require_gpu() -> bool:
     """``TBA_REQUIRE_GPU=1``: tests that need CUDA fail instead of skipping (for GPU runners)."""
     return os.environ.get("TBA_REQUIRE_GPU", "0").strip() not in ("", "0", "false", "no")
+
+
+def check_invariants() -> bool:
+    """``TBA_CHECK_INVARIANTS=1``: every cache checks its bookkeeping after each completed step
+    and raises ``TBAError`` on a violation (the test suite turns it on; costs O(entries) per
+    step)."""
+    return os.environ.get("TBA_CHECK_INVARIANTS", "0").strip() not in ("", "0", "false", "no")
 
 
 def ssd_dirs() -> tuple[str, ...] | None:

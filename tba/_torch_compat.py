@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["in_backward", "local_tensor", "storage_bytes", "view_on_storage", "STAMP_ATTR"]
+__all__ = [
+    "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
+    "is_functorch_wrapped", "STAMP_ATTR",
+]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
 # storage lives (PyObject preservation, torch >= 2.0), so an attribute set on
@@ -43,3 +46,21 @@ def view_on_storage(
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding ``tensor``'s data on this rank (a DTensor's local shard)."""
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def release_alias(alias: torch.Tensor) -> None:
+    """Point ``alias`` (a ``detach()`` alias) at an empty storage, keeping its version counter
+    (shared with its view family) and that counter's value: the family's in-place writes stay
+    observable through ``alias._version`` without holding the memory (Note [Saved-version
+    check] in tba/cache/table.py). ``set_`` counts as an in-place write; the value is restored
+    with ``_unsafe_set_version_counter`` (torch >= 2.1)."""
+    version = alias._version
+    with torch.no_grad():
+        alias.set_(alias.new_empty(0))
+    torch._C._autograd._unsafe_set_version_counter((alias,), (version,))
+
+
+def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a torch.func (functorch) wrapper: a grad or vmap level's tensor,
+    whose storage cannot be reached."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)

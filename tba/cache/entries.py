@@ -1,18 +1,17 @@
-"""`Entry` (one saved storage at one version) and `Handle` (what autograd keeps instead)."""
+"""`Entry` (one saved storage of one version-counter family at one version) and `Handle`
+(what autograd keeps instead of the tensor)."""
 
 from __future__ import annotations
 
 import enum
 import threading
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from tba.cache.scopes import Scope
-    from tba.cache.tensor_cache import TensorCache
-
-__all__ = ["State", "Entry", "Handle"]
+__all__ = ["State", "Entry", "Handle", "HOLDS_DATA"]
 
 
 class State(enum.Enum):
@@ -27,20 +26,38 @@ class State(enum.Enum):
     DROPPED = "dropped"  # every handle died
 
 
-class Entry:
-    """One storage (at one version counter value) saved for backward.
+HOLDS_DATA = frozenset((State.KEPT, State.QUEUED, State.STORING, State.READY))
 
-    Identity is a counter stamp on the storage plus its version, so views of one storage share
-    an entry (written once) and an in-place change makes a new one (see Note [Storage stamps]).
+
+class Entry:
+    """One storage, saved through one version-counter family at one version.
+
+    See Note [Version-counter families] in ``tba/cache/table.py`` for why the family is part of
+    the identity, and Note [Saved-version check] for ``alias``, ``version`` and ``modified``.
     """
 
     __slots__ = (
-        "key", "device", "nbytes", "data", "state", "token", "refs", "event",
-        "load_event", "load_done", "error", "wanted", "offload",
+        "stamp", "root", "version", "alias", "modified", "device", "nbytes", "data", "state",
+        "token", "refs", "event", "load_event", "load_done", "error", "wanted", "offload",
+        "where",
     )
 
-    def __init__(self, key: tuple[int, int], data: torch.UntypedStorage, offload: bool) -> None:
-        self.key = key
+    def __init__(
+        self,
+        stamp: int,
+        root: weakref.ref,
+        tensor: torch.Tensor,
+        data: torch.UntypedStorage,
+        offload: bool,
+        where: str,
+    ) -> None:
+        self.stamp = stamp
+        self.root = root  # weak reference to the family's root tensor (the base of views)
+        self.version = tensor._version
+        # A detached alias shares the family's version counter: it lets the check at unpack see
+        # every in-place write of the family, also after the saved tensor object died.
+        self.alias: torch.Tensor | None = tensor.detach()
+        self.modified = False  # the family was written between pack and the end of the store
         self.device = data.device
         self.nbytes = data.nbytes()
         self.data: torch.UntypedStorage | None = data  # the whole storage, while in memory
@@ -53,26 +70,35 @@ class Entry:
         self.error: BaseException | None = None
         self.wanted = False  # backward is near: keep the bytes in memory once a store finishes
         self.offload = offload
+        self.where = where  # the module that saved it first, for error messages
+
+    def current_version(self) -> int | None:
+        """The family's version now, or None when no tensor of the family is reachable."""
+        alias = self.alias
+        if alias is not None:
+            return alias._version
+        root = self.root()
+        return None if root is None else root._version
 
 
 class Handle:
     """Returned by the pack hook; autograd holds it instead of the tensor.
 
-    When autograd frees it (the saving node ran, or its graph died) the entry loses a reference;
-    an entry with none left is dropped: memory, file space and pool slot are given back.
+    When autograd frees it (the saving node ran, or its graph died) ``release(entry)`` runs: the
+    entry loses a reference and, with none left, is dropped (memory, file space, pool slot).
     """
 
-    __slots__ = ("cache", "entry", "dtype", "size", "stride", "offset", "scope", "__weakref__")
+    __slots__ = ("entry", "release", "dtype", "size", "stride", "offset", "scope", "__weakref__")
 
     def __init__(
         self,
-        cache: TensorCache,
         entry: Entry,
+        release: Callable[[Entry], None],
         tensor: torch.Tensor,
-        scope: Scope,
+        scope: Any,
     ) -> None:
-        self.cache = cache
         self.entry = entry
+        self.release = release
         self.dtype = tensor.dtype
         self.size = tensor.size()
         self.stride = tensor.stride()
@@ -80,4 +106,4 @@ class Handle:
         self.scope = scope
 
     def __del__(self) -> None:
-        self.cache._release(self.entry)
+        self.release(self.entry)

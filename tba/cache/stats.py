@@ -20,6 +20,10 @@ class CacheStats:
         num_steps: steps these counters cover.
         num_packed: tensors autograd handed to the cache.
         num_deduplicated: packs that hit a storage already held (no second write).
+        num_family_entries: packs of a storage already held under another version-counter
+            family (``unsafe_chunk`` siblings, ``.data``, ``detach()`` aliases): given an entry
+            of their own and written again, because PyTorch may hand backward different bytes
+            for them (Note [Version-counter families]).
         num_offloaded: storages written to the offloader.
         offloaded_bytes: bytes written to the offloader.
         reloaded_bytes: bytes read back from the offloader.
@@ -39,6 +43,7 @@ class CacheStats:
     num_steps: int = 0
     num_packed: int = 0
     num_deduplicated: int = 0
+    num_family_entries: int = 0
     num_offloaded: int = 0
     offloaded_bytes: int = 0
     reloaded_bytes: int = 0

@@ -12,7 +12,6 @@ import torch
 from tba.cache.policy import Boundary
 from tba.cache.profile import StepProfile
 from tba.cache.stats import CacheStats
-from tba.cache.transfers import Transfers
 from tba.config import TensorCacheConfig
 from tba.offloaders.base import Offloader
 
@@ -35,13 +34,13 @@ class Steps:
     def __init__(
         self,
         config: TensorCacheConfig,
-        transfers: Transfers,
         boundary: Boundary,
         offloader: Offloader | None,
         on_cuda: Callable[[], bool],
+        waited_s: Callable[[], float],
     ) -> None:
         self._config = config
-        self._transfers = transfers
+        self._waited_s = waited_s
         self._boundary = boundary
         self._offloader = offloader
         self._on_cuda = on_cuda
@@ -71,7 +70,7 @@ class Steps:
         if self.profile is None and due is not None and self._num_done + 1 >= due:
             self._boundary.tail_start = self._boundary.default_tail_start
             self.profile = StepProfile(
-                self._boundary.num_blocks, self._on_cuda(), lambda: self._transfers.step.store_wait_s
+                self._boundary.num_blocks, self._on_cuda(), self._waited_s
             )
         if self.profile is not None:
             self.profile.start(None)
@@ -80,9 +79,9 @@ class Steps:
         if self.profile is not None:
             self.profile.end(None)
 
-    def finish(self) -> CacheStats:
-        """Close the running step: record its counters, decide or re-profile, size the pool."""
-        step = self._transfers.take_step()
+    def finish(self, step: CacheStats, peak_held_bytes: int) -> CacheStats:
+        """Close the running step with its counters ``step``: record them, decide or
+        re-profile, size the offloader from ``peak_held_bytes`` once."""
         self.open = False
         self.backward_seen = False
         self.last = step
@@ -102,11 +101,10 @@ class Steps:
             if not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
                 self._reprofile(f"write bandwidth moved {ratio:.2f}x")
         reserve_after = self._config.profile_step if self._config.adaptive else 1
-        peak_held = self._transfers.peak_held_bytes
+        peak_held = peak_held_bytes
         if not self._reserved and self._num_done >= reserve_after and self._offloader and peak_held:
             self._reserved = True
             self._offloader.reserve(peak_held)
-        self._transfers.trace.end_step()
         logger.debug("tba step finished: %s", step)
         return step
 

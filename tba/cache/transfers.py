@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from tba._torch_compat import storage_bytes
-from tba.cache.entries import Entry, State
+from tba._torch_compat import release_alias, storage_bytes
+from tba.cache.entries import HOLDS_DATA, Entry, State
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
@@ -27,7 +27,13 @@ __all__ = ["Transfers"]
 
 logger = logging.getLogger(__name__)
 
-_HOLDS_DATA = (State.KEPT, State.QUEUED, State.STORING, State.READY)
+_HOLDS_DATA = HOLDS_DATA
+# Note [Batched hand-offs]: waking a store worker costs a thread switch and a GIL hand-off,
+# far more than copying a small tensor. A pack queues its store and wakes the workers only
+# when the queued bytes reach this many (or the tensor alone does); ``flush`` (called at every
+# unit boundary and at the end of forward), backpressure, ``wait_for_stores`` and close wake
+# them for whatever is queued.
+_WAKE_BYTES = 1 << 20
 
 
 class Transfers:
@@ -55,7 +61,7 @@ class Transfers:
         self.offloader = offloader
         self.trace = trace
         self.streams = streams
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self._num_threads = {"store": num_store_threads, "load": num_load_threads}
         self._max_inflight_bytes = max_inflight_bytes
@@ -70,6 +76,7 @@ class Transfers:
         self.resident_bytes = 0
         self.held_bytes = 0  # bytes the offloader holds now
         self.peak_held_bytes = 0
+        self._unwoken_bytes = 0  # queued since the workers were last woken
         self.step = CacheStats()
 
     # ----------------------------------------------------------------- training thread side
@@ -78,20 +85,37 @@ class Transfers:
         with self.cond:
             self.resident_bytes += entry.nbytes
             if entry.offload and self.offloader is not None:
-                self.trace.instant("pack", bytes=entry.nbytes)
-                self._wait_for_room(entry.nbytes)
+                if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
+                    self._wait_for_room(entry.nbytes)
                 entry.state = State.QUEUED
                 self.inflight_bytes += entry.nbytes
                 self._store_q.append(entry)
-                self._start_workers()
-                self.cond.notify_all()
+                self._unwoken_bytes += entry.nbytes
+                if not self._threads:
+                    self._start_workers()
+                if self._unwoken_bytes >= _WAKE_BYTES:
+                    self._unwoken_bytes = 0
+                    self.cond.notify_all()
             else:
                 self.step.kept_bytes += entry.nbytes
-            self._note_peak()
+            if self.resident_bytes > self.step.peak_resident_bytes:
+                self.step.peak_resident_bytes = self.resident_bytes
+        if self.error is not None:
+            self.raise_pending()
+
+    def flush(self) -> None:
+        """Wake the workers for stores queued since they were last woken (Note [Batched
+        hand-offs])."""
+        if self._unwoken_bytes:
+            with self.cond:
+                self._unwoken_bytes = 0
+                self.cond.notify_all()
 
     def _wait_for_room(self, nbytes: int) -> None:
-        if self.inflight_bytes == 0 or self.inflight_bytes + nbytes <= self._max_inflight_bytes:
-            return
+        """Backpressure (lock held): wait until the in-flight stores leave room for
+        ``nbytes``. A store error ends the wait; it is raised by the caller."""
+        self._unwoken_bytes = 0
+        self.cond.notify_all()
         start = time.perf_counter()
         while (
             self.inflight_bytes > 0
@@ -100,7 +124,6 @@ class Transfers:
         ):
             self.cond.wait(0.1)
         self.step.store_wait_s += time.perf_counter() - start
-        self.raise_pending()
 
     def keep(self, entry: Entry, data: torch.UntypedStorage) -> None:
         """Backward will want ``entry`` soon and ``data`` is its storage: keep it in memory."""
@@ -124,6 +147,20 @@ class Transfers:
                 self._cancel_store(entry)
             elif entry.state is State.STORING:
                 entry.wanted = True
+
+    def prefetch_many(self, entries: list[Entry]) -> None:
+        """``prefetch`` each of ``entries``, in order, under one lock round trip."""
+        if not entries:
+            return
+        with self.cond:
+            for entry in entries:
+                state = entry.state
+                if state is State.STORED:
+                    self._queue_load(entry)
+                elif state is State.QUEUED:
+                    self._cancel_store(entry)
+                elif state is State.STORING:
+                    entry.wanted = True
 
     def fetch(self, entry: Entry) -> tuple[torch.UntypedStorage, Any]:
         """The storage of ``entry`` for unpack, waiting for (or starting) its load.
@@ -169,6 +206,7 @@ class Transfers:
             if state in _HOLDS_DATA:
                 self.resident_bytes -= entry.nbytes
             entry.data = None
+            entry.alias = None
             if state is State.QUEUED:
                 self.step.num_cancelled += 1
                 self.inflight_bytes -= entry.nbytes
@@ -188,6 +226,8 @@ class Transfers:
         """
         deadline = time.monotonic() + timeout_s
         with self.cond:
+            self._unwoken_bytes = 0
+            self.cond.notify_all()
             while self.inflight_bytes > 0 and self.error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -198,6 +238,13 @@ class Transfers:
                     )
                 self.cond.wait(remaining)
         self.raise_pending()
+
+    def set_error(self, error: BaseException) -> None:
+        """Raise ``error`` at the next hook on the training thread (unless one is pending)."""
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
 
     def raise_pending(self) -> None:
         """Raise a store error from a worker on the calling (training) thread, once."""
@@ -217,6 +264,33 @@ class Transfers:
         return step
 
     # ----------------------------------------------------------------- internals (lock held)
+    def check(self, entries: list[Entry], offloader_held: int | None) -> list[str]:
+        """Invariants of a finished step, as readable problems (empty when all hold):
+        counters equal what ``entries`` (the live ones) hold, nothing in flight when no entry
+        is, the offloader holds exactly what the entries' tokens say."""
+        with self.cond:
+            problems = []
+            resident = sum(e.nbytes for e in entries if e.state in _HOLDS_DATA)
+            inflight = sum(e.nbytes for e in entries if e.state in (State.QUEUED, State.STORING))
+            held = sum(e.nbytes for e in entries if e.token is not None)
+            for name, counter, expected in (
+                ("resident_bytes", self.resident_bytes, resident),
+                ("inflight_bytes", self.inflight_bytes, inflight),
+                ("held_bytes", self.held_bytes, held),
+            ):
+                if counter != expected:
+                    problems.append(
+                        f"{name} is {counter} but the {len(entries)} live entries account for {expected}"
+                    )
+            if not entries and (self._store_q and any(e.state is State.QUEUED for e in self._store_q)):
+                problems.append(f"{len(self._store_q)} stores queued with no live entry")
+            if offloader_held is not None and offloader_held != self.held_bytes:
+                problems.append(
+                    f"the offloader holds {offloader_held} bytes but the cache's tokens account "
+                    f"for {self.held_bytes}"
+                )
+            return problems
+
     def _note_peak(self) -> None:
         if self.resident_bytes > self.step.peak_resident_bytes:
             self.step.peak_resident_bytes = self.resident_bytes
@@ -300,12 +374,19 @@ class Transfers:
                     if entry.state is State.DROPPED:
                         release = token
                         self.held_bytes -= entry.nbytes
-                    elif entry.wanted:
-                        entry.token, entry.state = token, State.READY
                     else:
-                        entry.token, entry.state = token, State.STORED
-                        entry.data = None
-                        self.resident_bytes -= entry.nbytes
+                        alias = entry.alias
+                        if alias is not None and alias._version != entry.version:
+                            entry.modified = True  # Note [Saved-version check]: torn snapshot
+                        if entry.wanted:
+                            entry.token, entry.state = token, State.READY
+                        else:
+                            entry.token, entry.state = token, State.STORED
+                            entry.data = None
+                            entry.alias = None
+                            self.resident_bytes -= entry.nbytes
+                            if alias is not None:
+                                release_alias(alias)
                 self.cond.notify_all()
             if release is not None:
                 self.offloader.release(release)

@@ -6,8 +6,8 @@ module it is about to run (a pipeline stage's ``submod``, a Megatron model chunk
 ``PipelineModule``), so :func:`lookup` accepts that module, a wrapper around the registered
 module (DDP, Float16Module, ...), or a submodule of it.
 
-The registry is per process and holds weak references to modules: it never keeps a model
-alive. It is the only state the integrations share besides their patch records.
+The registry is per process and holds weak references to modules and caches: it never keeps
+a model or a cache alive (a cache dropped without ``close()`` is collected with its model). It is the only state the integrations share besides their patch records.
 
 Example:
     >>> from tba.integrations import registry
@@ -43,8 +43,9 @@ class CacheLike(Protocol):
 
 
 _lock = threading.Lock()
-# module -> cache; weak on the module so a dropped model leaves the registry by itself.
-_caches: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+# module -> weak reference to its cache; weak on both sides: the cache holds its module, so a
+# strong value would keep the key alive forever.
+_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 # Memo of lookup() answers for modules that are not registered themselves; cleared on change.
 _memo: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -58,24 +59,38 @@ def register(cache: Any, module: torch.nn.Module) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"register() expects a torch.nn.Module, got {type(module).__name__}")
     with _lock:
-        current = _caches.get(module)
+        current = _get(module)
         if current is not None and current is not cache:
             raise ValueError(
                 f"{type(module).__name__} already has a tensor cache registered; close it "
                 "(cache.close()) before configuring another one for the same module"
             )
-        _caches[module] = cache
+        _refs[module] = weakref.ref(cache)
         _memo.clear()
+
+
+def _get(module: torch.nn.Module) -> Any | None:
+    ref = _refs.get(module)
+    return None if ref is None else ref()
+
+
+def _items() -> list[tuple[torch.nn.Module, Any]]:
+    out = []
+    for module, ref in list(_refs.items()):
+        cache = ref()
+        if cache is not None:
+            out.append((module, cache))
+    return out
 
 
 def unregister(cache_or_module: Any) -> None:
     """Forget a cache (every module it was registered for) or one module. Idempotent."""
     with _lock:
         if isinstance(cache_or_module, torch.nn.Module):
-            _caches.pop(cache_or_module, None)
+            _refs.pop(cache_or_module, None)
         else:
-            for module in [m for m, c in _caches.items() if c is cache_or_module]:
-                del _caches[module]
+            for module in [m for m, c in _items() if c is cache_or_module]:
+                del _refs[module]
         _memo.clear()
 
 
@@ -87,27 +102,29 @@ def lookup(module: torch.nn.Module) -> Any | None:
     ``module``. When several match, the first registered wins.
     """
     with _lock:
-        found = _caches.get(module)
+        found = _get(module)
         if found is not None:
             return found
         if module in _memo:
-            return _memo[module]
+            ref = _memo[module]
+            return None if ref is None else ref()
         found = None
+        items = _items()
         inner = {id(m) for m in module.modules()}
-        for registered_module, cache in _caches.items():
+        for registered_module, cache in items:
             if id(registered_module) in inner:
                 found = cache
                 break
         if found is None:
-            for registered_module, cache in _caches.items():
+            for registered_module, cache in items:
                 if any(m is module for m in registered_module.modules()):
                     found = cache
                     break
-        _memo[module] = found
+        _memo[module] = None if found is None else weakref.ref(found)
         return found
 
 
 def registered() -> list[tuple[torch.nn.Module, Any]]:
     """Every (module, cache) pair currently registered, for debugging and tests."""
     with _lock:
-        return list(_caches.items())
+        return _items()

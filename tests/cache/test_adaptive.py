@@ -128,8 +128,7 @@ def test_reprofiles_when_inputs_change() -> None:
 
     def step(cache, batch: int) -> None:
         loss = model(torch.randn(batch, 16))
-        while cache._transfers.inflight_bytes:  # the profile needs completed writes
-            time.sleep(0.005)
+        cache.wait_for_stores(10)  # the profile needs completed writes
         loss.backward()
 
     with tba.configure_tensor_cache(model, offloader=steady, offload_devices=("cpu",),
@@ -168,8 +167,7 @@ def test_summary_and_trace(tmp_path) -> None:
                                     adaptive=False) as cache:
         for _ in range(2):
             loss = model(torch.randn(16, 16))
-            while cache._transfers.inflight_bytes:
-                time.sleep(0.005)
+            cache.wait_for_stores(10)
             loss.backward()
         stats = cache.stats()
         table = cache.summary()

@@ -164,8 +164,7 @@ def test_fused_views_written_once() -> None:
     model = FusedQKV()
     with tba.configure_tensor_cache(model, **OPTIONS) as cache:
         loss = model(torch.randn(8, 32))
-        while cache._transfers.inflight_bytes:  # let every store finish: nothing cancelled
-            threading.Event().wait(0.005)
+        cache.wait_for_stores(10)  # let every store finish: nothing cancelled
         loss.backward()
         stats = cache.stats()
     # Saved: x (linear), sig (sigmoid output), sig and v (mul), k (sin), a and b (mul), q, q.
@@ -184,8 +183,8 @@ def test_parameters_never_offloaded() -> None:
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with tba.configure_tensor_cache(model, **OPTIONS) as cache:
         packed, managed = [], []
-        original_pack, original_add = cache._pack, cache._transfers.add
-        cache._pack = lambda t: packed.append(t) or original_pack(t)  # type: ignore[method-assign]
+        original_pack, original_add = cache._hooks._pack, cache._transfers.add
+        cache._hooks._pack = lambda t: packed.append(t) or original_pack(t)  # type: ignore[method-assign]
         cache._transfers.add = lambda e: managed.append(e.data.data_ptr()) or original_add(e)  # type: ignore[method-assign]
         model(torch.randn(8, 16)).backward()
     # The weight was saved as itself, as a transpose and as a view ...
@@ -227,8 +226,7 @@ def test_in_place_change_after_store_is_a_new_entry() -> None:
     with tba.configure_tensor_cache(model, **OPTIONS, adaptive=False, prefetch_modules=0) as cache:
 
         def settle() -> None:
-            while cache._transfers.inflight_bytes:
-                threading.Event().wait(0.002)
+            cache.wait_for_stores(10)
 
         model.pause = settle
         x = torch.randn(8, 16)

@@ -124,8 +124,7 @@ def test_stats_cover_one_step_and_totals() -> None:
         steps = []
         for step in range(3):
             loss = model(models.vector_batch(step))
-            while cache._transfers.inflight_bytes:  # let the stores run: nothing cancelled
-                threading.Event().wait(0.005)
+            cache.wait_for_stores(10)  # let the stores run: nothing cancelled
             loss.backward()
             last = cache.stats()
             steps.append(last)
@@ -178,7 +177,7 @@ def test_forward_without_backward_ends_the_step_and_leaks_nothing() -> None:
         for step in range(5):
             model(models.vector_batch(step))  # graph dropped without backward (eval with grad)
         assert cache.stats(cumulative=True).num_steps == 5
-        assert not cache._entries and not cache._records and not cache._grad_fn_hooks
+        assert not cache._table.num_entries and not cache._hooks.records and not cache._hooks._grad_fn_hooks
         model(models.vector_batch(9)).backward()
         assert cache.stats().num_packed > 0
 
@@ -215,7 +214,7 @@ def test_error_in_forward_leaves_no_hooks_active() -> None:
     with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0) as cache:
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.randn(2, 4, requires_grad=True))
-        assert cache._hooks_ctx is None and cache._forward.record is None
+        assert cache._hooks._local.ctx is None and cache._hooks.forward.record is None
         # Tensors saved now are autograd's own again.
         x = torch.randn(3, requires_grad=True)
         before = cache.stats(cumulative=True).num_packed
@@ -231,7 +230,7 @@ def test_skip_modules_are_never_offloaded() -> None:
         decisions = []
         original = cache._transfers.add
         cache._transfers.add = lambda e: decisions.append(  # type: ignore[method-assign]
-            ([u.name for u, _, _ in cache._forward.units], cache._forward.skip_depth, e.offload)) or original(e)
+            ([u.name for u, _, _ in cache._hooks.forward.units], cache._hooks.forward.skip_depth, e.offload)) or original(e)
         model(models.vector_batch(0)).backward()
     in_skipped_block = [off for stack, _, off in decisions if stack == ["blocks.1"]]
     in_dropout = [off for stack, depth, off in decisions if stack != ["blocks.1"] and depth]
@@ -264,17 +263,17 @@ def test_set_stage_validates_logs_and_decides_the_tail() -> None:
             cache.set_stage(microbatch=0, action="fwd", next_action="bwd")
         # No hint: the last block and what follows it stay in memory.
         loss = model(models.vector_batch(0))
-        (record,) = cache._records.values()
+        (record,) = cache._hooks.records.values()
         assert [s.keep for s in record.scopes][-2:] == [True, True]
         loss.backward()
         # GPipe-like hint: the next action is another forward, so no tail is kept.
         cache.set_stage(microbatch=0, action="forward", next_microbatch=1, next_action="forward")
         loss = model(models.vector_batch(0))
-        assert not any(s.keep for s in cache._records[(0, 0)].scopes)
+        assert not any(s.keep for s in cache._hooks.records[(0, 0)].scopes)
         # 1F1B on the last stage: this microbatch's backward comes next, so keep its tail.
         cache.set_stage(microbatch=1, action="forward", next_microbatch=1, next_action="backward")
         loss2 = model(models.vector_batch(1))
-        assert cache._records[(0, 1)].scopes[-1].keep
+        assert cache._hooks.records[(0, 1)].scopes[-1].keep
         cache.set_stage(microbatch=1, action="backward", next_microbatch=0, next_action="backward")
         loss2.backward()
         cache.set_stage(microbatch=0, action="backward")

@@ -48,8 +48,8 @@ for net in (ref, model):
 saved_dtensors = []
 with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                 min_offload_bytes=0, keep_last_modules=0, adaptive=False) as cache:
-    original = cache._pack
-    cache._pack = lambda t: saved_dtensors.append(type(t).__name__) or original(t)
+    original = cache._hooks._pack
+    cache._hooks._pack = lambda t: saved_dtensors.append(type(t).__name__) or original(t)
     for step in range(3):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         a = model(x); a.backward()

@@ -4,6 +4,7 @@ backpressure, stream ordering and I/O errors (Note [Transfer ordering])."""
 from __future__ import annotations
 
 import threading
+import weakref
 import warnings
 
 import pytest
@@ -31,8 +32,7 @@ def test_stream_ordering_of_stores_and_loads() -> None:
     loss = model(models.vector_batch(0))
     # Let every store finish before backward, so backward has to load.
     deadline = threading.Event()
-    while cache._transfers.inflight_bytes and not deadline.wait(0.01):
-        pass
+    cache.wait_for_stores(10)
     loss.backward()
     stats = cache.stats()
     cache.close()
@@ -87,8 +87,7 @@ def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
     cache = make_cache(model, offloader, prefetch_modules=2)
     for step in range(3):
         loss = model(models.vector_batch(step))
-        while cache._transfers.inflight_bytes:
-            threading.Event().wait(0.005)
+        cache.wait_for_stores(10)
         loss.backward()
         assert cache.stats().reloaded_bytes > 0
     cache.close()
@@ -107,10 +106,12 @@ def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
                           max_inflight_bytes=1 << 20, on_io_error="raise",
                           trace=TraceRecorder())
     data = torch.arange(4097, dtype=torch.int64).view(torch.uint8).clone()
-    entry = Entry((1, 0), data.clone().untyped_storage(), offload=True)
+    saved = data.clone()
+    entry = Entry(1, weakref.ref(saved), saved, saved.untyped_storage(), True, "test")
+    del saved
     transfers.add(entry)
-    while entry.state is not State.STORED:
-        threading.Event().wait(0.001)
+    transfers.wait_for_stores(10)
+    assert entry.state is State.STORED
     assert entry.data is None and transfers.resident_bytes == 0
     loaded, _ = transfers.fetch(entry)  # nobody prefetched it
     assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(loaded), data)
@@ -146,8 +147,7 @@ def test_io_error_raises_in_training_step(where: str) -> None:
         for step in range(3):
             offloader.fail_store = where == "store"
             loss = model(models.vector_batch(step))
-            while cache._transfers.inflight_bytes:
-                threading.Event().wait(0.005)
+            cache.wait_for_stores(10)
             offloader.fail_load = where == "load"
             loss.backward()
     message = str(info.value)

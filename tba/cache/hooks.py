@@ -1,0 +1,457 @@
+"""`CacheHooks`: the module hooks, the saved-tensor hooks and the per-thread forward state.
+
+Saved-tensor hooks are thread-local in PyTorch, so each thread that runs a forward of the
+model enters its own ``saved_tensors_hooks`` context and keeps its own nesting depth, unit
+stack and skip depth (``_ThreadState``); records, entries and transfers are shared.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from tba import _torch_compat as compat
+from tba.cache.entries import Entry, Handle
+from tba.cache.policy import Boundary
+from tba.cache.scopes import ForwardPass, Record, Scope, Unit, matches
+from tba.cache.stages import StageHint
+from tba.cache.steps import Steps, tensors_in
+from tba.cache.table import EntryTable
+from tba.cache.transfers import Transfers
+from tba.config import TensorCacheConfig
+from tba.errors import TBAError
+
+__all__ = ["CacheHooks", "ModuleHook"]
+
+logger = logging.getLogger(__name__)
+
+_NESTED_TYPE_NAME = "NestedTensor"  # torch.nested._internal.nested_tensor.NestedTensor
+
+
+def _inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a tba hook becomes in a copy of the model: nothing."""
+    return None
+
+
+def _make_inert() -> Any:
+    return _inert_hook
+
+
+class ModuleHook:
+    """A module hook that belongs to one cache. A copy of the model (``copy.deepcopy``,
+    ``torch.save``/``pickle``) gets an inert hook instead: the copy behaves like a model that
+    was never configured, and the original keeps its cache."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        return _inert_hook
+
+    def __reduce__(self) -> tuple:
+        return (_make_inert, ())
+
+
+class _Unmanaged:
+    """A saved tensor tba leaves in memory as it is (parameters, small or foreign tensors),
+    with its version at pack time: Note [Saved-version check] applies to it too."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+
+class _PackedSubclass:
+    """What autograd keeps for a wrapper-subclass tensor: its packed inner tensors."""
+
+    __slots__ = ("cls", "inner", "context", "size", "stride")
+
+    def __init__(self, cls: type, inner: dict, context: Any, size: Any, stride: Any) -> None:
+        self.cls, self.inner, self.context, self.size, self.stride = cls, inner, context, size, stride
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+        self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.forward = ForwardPass()
+
+
+def modified_error(shape: tuple, dtype: torch.dtype, where: str, expected: int, found: int | None) -> TBAError:
+    """PyTorch's in-place error, raised by tba where autograd no longer checks."""
+    found_text = f"is at version {found}" if found is not None else "was written while it was being offloaded"
+    return TBAError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{dtype} {list(shape)}], saved for backward in {where or 'the model'}, "
+        f"{found_text}; expected version {expected} instead. (tba checks this because autograd "
+        "does not under saved_tensors_hooks.) Hint: clone the tensor before modifying it in "
+        "place, or make the modification out-of-place."
+    )
+
+
+class CacheHooks:
+    """Hooks ``model`` and turns its saved tensors into entries of ``table`` moved by ``engine``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TensorCacheConfig,
+        units: list[Unit],
+        table: EntryTable,
+        engine: Transfers,
+        steps: Steps,
+        boundary: Boundary,
+        finish_step: Any,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.units = units
+        self.table = table
+        self.engine = engine
+        self.steps = steps
+        self.boundary = boundary
+        self._finish_step = finish_step
+        self._devices = frozenset(config.offload_devices)
+        self._offloading = engine.offloader is not None
+        self._lock = threading.RLock()  # records, hint, step transitions
+        self._local = _ThreadState()
+        self._num_active = 0  # forwards running, all threads
+        self._records: dict[tuple[int, int], Record] = {}
+        self._auto_keys = itertools.count()
+        self._param_ptrs: frozenset[int] = frozenset()
+        self._grad_fn_hooks: list[Any] = []
+        self._handles: list[Any] = []
+        self._hint: StageHint | None = None
+        self._warned_functorch = False
+        self.closed = False
+        self.stage_log: Any = None  # set by the cache
+
+    # ------------------------------------------------------------------ install / remove
+    def install(self) -> None:
+        add = self._handles.append
+        model = self.model
+        add(model.register_forward_pre_hook(ModuleHook(self._root_pre)))
+        add(model.register_forward_hook(ModuleHook(self._root_post), always_call=True))
+        for unit in self.units:
+            pre = ModuleHook(functools.partial(self._unit_pre, unit))
+            post = ModuleHook(functools.partial(self._unit_post, unit))
+            add(unit.module.register_forward_pre_hook(pre))
+            add(unit.module.register_forward_hook(post, always_call=True))
+        skip = self.config.skip_modules
+        for name, module in model.named_modules():
+            if name and matches(module, name, skip):
+                add(module.register_forward_pre_hook(ModuleHook(self._skip_pre)))
+                add(module.register_forward_hook(ModuleHook(self._skip_post), always_call=True))
+
+    def remove(self) -> None:
+        """Remove every module hook and every grad_fn pre-hook of live graphs; leave the
+        saved-tensor hooks of this thread's running forward."""
+        self.closed = True
+        with self._lock:
+            handles = self._handles + self._grad_fn_hooks
+            self._handles, self._grad_fn_hooks = [], []
+        for handle in handles:
+            handle.remove()
+        state = self._local
+        if state.ctx is not None:
+            state.ctx.__exit__(None, None, None)
+            state.ctx = None
+            state.depth = 0
+        state.forward.end()
+        with self._lock:
+            self._records.clear()
+
+    # ------------------------------------------------------------------ module hooks
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled() or compat.in_backward():
+            return
+        state = self._local
+        state.depth += 1
+        if state.depth > 1:
+            return
+        self.engine.raise_pending()
+        self._param_ptrs = frozenset(
+            compat.local_tensor(t).untyped_storage().data_ptr()
+            for t in itertools.chain(self.model.parameters(), self.model.buffers())
+        )
+        with self._lock:
+            self._num_active += 1
+            self._begin_record(state, args)
+        state.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        state.ctx.__enter__()
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._local
+        if state.ctx is None or compat.in_backward():
+            return
+        state.depth -= 1
+        if state.depth > 0:
+            return
+        ctx, state.ctx = state.ctx, None
+        ctx.__exit__(None, None, None)
+        state.forward.end()
+        self.engine.flush()
+        with self._lock:
+            self._num_active -= 1
+            if self._num_active == 0:
+                self.steps.end_forward()
+
+    def _begin_record(self, state: _ThreadState, args: Any) -> None:
+        steps, hint = self.steps, self._hint
+        if steps.open and hint is None and self._num_active == 1:
+            if self.table.num_entries == 0:
+                # The previous forward left nothing in the cache (nothing was managed, or
+                # backward released it all): its step is over.
+                self._finish_step()
+            elif steps.backward_seen and all(r.backward_started for r in self._records.values()):
+                # Backward ran for everything, yet some graph is still alive (retain_graph,
+                # or a graph kept by the user): the step is over all the same.
+                self._finish_step()
+        steps.begin_forward(args)
+        if hint is not None and hint.action == "forward":
+            key, keep_tail = hint.record_key, hint.keeps_tail
+        else:
+            key, keep_tail = (-1, next(self._auto_keys)), True
+        self._records[key] = record = Record(key, keep_tail)
+        state.forward.begin(record)
+
+    def _unit_pre(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        state = self._local
+        if state.ctx is None or compat.in_backward():
+            return
+        state.forward.enter(unit, self.boundary.tail_start)
+        profile = self.steps.profile
+        if profile is not None and unit.block_index is not None:
+            profile.start(unit.block_index)
+
+    def _unit_post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._local
+        if state.ctx is None or compat.in_backward():
+            return
+        scope = state.forward.exit()
+        profile = self.steps.profile
+        if profile is not None and unit.block_index is not None:
+            profile.end(unit.block_index)
+        self.engine.flush()
+        if scope is None or self.closed:
+            return
+        seen: set[int] = set()
+        for tensor in tensors_in(output):
+            fn = tensor.grad_fn
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                hook = fn.register_prehook(functools.partial(self._backward_signal, scope))
+                self._grad_fn_hooks.append(hook)
+
+    def _skip_pre(self, module: nn.Module, args: Any) -> None:
+        state = self._local
+        if state.ctx is not None and not compat.in_backward():
+            state.forward.skip_depth += 1
+
+    def _skip_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        state = self._local
+        if state.ctx is not None and not compat.in_backward() and state.forward.skip_depth:
+            state.forward.skip_depth -= 1
+
+    # ------------------------------------------------------------------ saved-tensor hooks
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        engine = self.engine
+        if engine.error is not None:
+            engine.raise_pending()
+        if type(tensor) is not torch.Tensor:
+            if compat.is_functorch_wrapped(tensor):
+                return self._functorch(tensor)
+            if hasattr(tensor, "__tensor_flatten__"):
+                return self._pack_subclass(tensor)
+            return _Unmanaged(tensor)
+        if (
+            tensor.device.type not in self._devices
+            or tensor.layout is not torch.strided
+            or (tensor.requires_grad and tensor.is_leaf)
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
+            return _Unmanaged(tensor)  # parameters, non-strided tensors: autograd keeps them
+        if compat.is_functorch_wrapped(tensor):
+            return self._functorch(tensor)
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self._param_ptrs:
+            return _Unmanaged(tensor)
+        forward = self._local.forward
+        scope = forward.scope()
+        handle, entry, new = self.table.handle(
+            tensor,
+            storage,
+            scope,
+            self._offloading and not scope.keep and forward.skip_depth == 0,
+            scope.unit.name if scope.unit is not None else "",
+        )
+        if new:
+            profile = self.steps.profile
+            if profile is not None and scope.unit is not None:
+                block = scope.unit.block_index
+                if block is not None and entry.nbytes >= self.config.min_offload_bytes:
+                    profile.add_bytes(block, entry.nbytes)
+            if entry.offload:
+                entry.event = engine.streams.producer_event(tensor.device)
+            engine.add(entry)
+        elif scope.keep and entry.offload:
+            engine.keep(entry, storage)
+        entries = scope.entries
+        if not entries or entries[-1] is not entry:
+            entries.append(entry)
+        return handle
+
+    def _functorch(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._warned_functorch:
+            self._warned_functorch = True
+            logger.info(
+                "tba: torch.func (grad/vmap) tensors are saved as they are; tba does not "
+                "offload inside function transforms"
+            )
+        return tensor
+
+    def _pack_subclass(self, tensor: torch.Tensor) -> Any:
+        """A wrapper subclass (DTensor, jagged NestedTensor, ...): pack the plain tensors it
+        holds, rebuild it on unpack through the subclass's flatten/unflatten protocol. Inner
+        tensors that stay in memory come back as the very same objects (a jagged tensor's
+        offsets identify its ragged dimension: they are never replaced)."""
+        if tensor.requires_grad and tensor.is_leaf:
+            return _Unmanaged(tensor)  # a parameter
+        names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+        nested = type(tensor).__name__ == _NESTED_TYPE_NAME
+        inner: dict[str, Any] = {}
+        for name in names:
+            value = getattr(tensor, name)
+            if not isinstance(value, torch.Tensor) or (nested and name != "_values"):
+                inner[name] = value
+                continue
+            packed = self._pack(value)
+            if type(packed) is Handle and not packed.entry.offload:
+                packed = value  # kept anyway: hand back the object itself
+            elif type(packed) is _Unmanaged:
+                packed = value
+            inner[name] = packed
+        if not any(type(p) in (Handle, _PackedSubclass) for p in inner.values()):
+            return _Unmanaged(tensor)
+        return _PackedSubclass(type(tensor), inner, context, tensor.size(), tensor.stride())
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        cls = type(packed)
+        if cls is _Unmanaged:
+            tensor = packed.tensor
+            if tensor._version != packed.version:
+                raise modified_error(
+                    tuple(tensor.shape), tensor.dtype, "", packed.version, tensor._version
+                )
+            return tensor
+        if cls is _PackedSubclass:
+            inner = {name: self._unpack(p) if type(p) in (Handle, _PackedSubclass) else p
+                     for name, p in packed.inner.items()}
+            return packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
+        if cls is not Handle:
+            return packed
+        engine = self.engine
+        if engine.error is not None:
+            engine.raise_pending()
+        if self.closed:
+            raise TBAError(
+                "tba: backward reached an activation after TensorCache.close(); "
+                "close the cache only after the last backward"
+            )
+        entry = packed.entry
+        current = entry.current_version()
+        if entry.modified or (current is not None and current != entry.version):
+            raise modified_error(
+                tuple(packed.size), packed.dtype, entry.where, entry.version,
+                None if entry.modified and current == entry.version else current,
+            )
+        scope = packed.scope
+        if not scope.backward_entered:
+            self._backward_signal(scope)
+        storage, event = engine.fetch(entry)
+        tensor = compat.view_on_storage(storage, packed.dtype, packed.size, packed.stride, packed.offset)
+        if event is not None:
+            engine.streams.consume(event, tensor)
+        return tensor
+
+    # ------------------------------------------------------------------ backward and prefetch
+    def _backward_signal(self, scope: Scope, *unused: Any) -> None:
+        if self.closed or scope.backward_entered:
+            return
+        with self._lock:
+            scope.backward_entered = True
+            scope.record.backward_started = True
+            self.steps.backward_seen = True
+            self.prefetch_from(scope)
+
+    def prefetch_from(self, scope: Scope) -> None:
+        """Load ``scope``'s tensors and those of the ``prefetch_modules`` offloaded scopes
+        before it (the order backward will need them); kept scopes use no look-ahead."""
+        if not self._offloading:
+            return
+        budget = self.config.prefetch_modules
+        scopes = scope.record.scopes
+        wanted: list[Entry] = []
+        for index in range(scope.index, -1, -1):
+            current = scopes[index]
+            if index != scope.index:
+                if current.keep:
+                    continue
+                if budget == 0:
+                    break
+                budget -= 1
+            wanted.extend(current.entries)
+        self.engine.prefetch_many(wanted)
+
+    def set_stage(self, hint: StageHint) -> None:
+        with self._lock:
+            self._hint = hint
+            for key in hint.prefetch_keys:
+                record = self._records.get(key)
+                if record is not None and record.scopes:
+                    self.prefetch_from(record.scopes[-1])
+
+    def on_empty(self) -> None:
+        """The table's last entry was dropped: the step may be over, after backward, or
+        because a graph died without one (forward-only with grad enabled)."""
+        with self._lock:
+            steps, hint = self.steps, self._hint
+            if (
+                self.table.num_entries == 0
+                and not self.closed
+                and steps.open
+                and (steps.backward_seen or self._num_active == 0)
+                and (hint is None or hint.next_action is None)
+            ):
+                self._finish_step()
+
+    def step_finished(self) -> None:
+        """Forget the finished step's records and grad_fn hooks (lock held by the caller)."""
+        self._records.clear()
+        hooks, self._grad_fn_hooks = self._grad_fn_hooks, []
+        for hook in hooks:  # graphs still alive (retain_graph) signal backward at first unpack
+            hook.remove()
+
+    @property
+    def records(self) -> dict[tuple[int, int], Record]:
+        return self._records
+
+    @property
+    def forward(self) -> ForwardPass:
+        """This thread's forward state."""
+        return self._local.forward

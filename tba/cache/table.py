@@ -1,0 +1,159 @@
+"""`EntryTable`: which saves share an entry (identity), reference counts and release.
+
+Note [Version-counter families]: PyTorch's version counter belongs to a *view family* (a base
+tensor and every view of it, plus ``detach()`` aliases), not to a storage. ``unsafe_chunk`` /
+``unsafe_split`` outputs and tensors obtained through ``.data`` share a storage but each has a
+counter of its own; PyTorch's CPU GRU/LSTM kernels split one gate storage this way and write
+the chunks in place. Two such tensors can be saved at the same version number after the bytes
+changed. An entry snapshots the whole storage when its store runs, so sharing one entry between
+them hands backward stale bytes. Two saves therefore share an entry only when plain PyTorch
+would hand backward the same bytes for both: the same storage (stamp, Note [Storage stamps]),
+the same family (the root tensor of the view family: ``t._base`` or ``t`` itself) and the same
+version. A save of a storage already held under another family gets an entry of its own
+(written again: correctness first) and is counted in ``CacheStats.num_family_entries``.
+``detach()`` aliases are treated as families of their own (conservative: at worst a second
+write).
+
+Note [Saved-version check]: with saved-tensor hooks installed, autograd skips its own check that
+a saved tensor was not modified in place before backward used it (``saved_variable.cpp``: "Only
+check version counter in the case without hooks"). tba redoes it: each entry remembers the
+family's version at pack and keeps a detached alias (sharing the version counter, not the
+graph) while its bytes are in memory; when its store finishes the worker notes whether the
+family was written meanwhile (then the snapshot may be torn) and swaps the alias's storage for
+an empty one (version restored), so the counter stays observable without holding memory.
+Unpack raises PyTorch's error when the version moved. Not detectable: a write through another
+family (``.data``, ``unsafe_chunk`` siblings), which plain PyTorch does not detect either and
+which no offloader can honour (backward sees the bytes at store time, PyTorch the bytes at
+backward time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from tba import _torch_compat as compat
+from tba.cache.entries import Entry, Handle
+
+__all__ = ["EntryTable"]
+
+_STAMPS = itertools.count(1)  # Note [Storage stamps]
+
+
+class EntryTable:
+    """Live entries by storage stamp. Thread-safe: packs may come from several threads and
+    releases from autograd's threads.
+
+    Args:
+        min_offload_bytes: smaller storages are never offloaded.
+        on_drop: called (table lock held) with each entry whose last handle died.
+        on_empty: called (no lock held) after the last entry was dropped.
+    """
+
+    def __init__(
+        self,
+        min_offload_bytes: int,
+        on_drop: Callable[[Entry], None],
+        on_empty: Callable[[], None],
+    ) -> None:
+        self.lock = threading.RLock()
+        self._by_stamp: dict[int, list[Entry]] = {}
+        self._min_offload_bytes = min_offload_bytes
+        self._on_drop = on_drop
+        self._on_empty = on_empty
+        self.num_entries = 0
+        self.num_packed = 0
+        self.num_deduplicated = 0
+        self.num_family_entries = 0
+        self.closed = False
+
+    def handle(
+        self,
+        tensor: torch.Tensor,
+        storage: torch.UntypedStorage,
+        scope: object,
+        offload: bool,
+        where: str,
+    ) -> tuple[Handle, Entry, bool]:
+        """A handle for ``tensor`` (a plain strided tensor on ``storage``): an existing entry
+        of the same storage, family and version, or a new one, offloaded if ``offload`` and
+        the storage is at least ``min_offload_bytes``. Returns (handle, entry, is_new); the
+        caller hands a new entry to the transfer engine (refs are counted already, so it
+        cannot be dropped meanwhile)."""
+        stamp = getattr(storage, compat.STAMP_ATTR, None)
+        if stamp is None:
+            stamp = next(_STAMPS)
+            setattr(storage, compat.STAMP_ATTR, stamp)
+        base = tensor._base
+        root = tensor if base is None else base
+        version = tensor._version
+        with self.lock:
+            same = self._by_stamp.get(stamp)
+            entry = None
+            if same is not None:
+                for candidate in same:
+                    if candidate.version == version and candidate.root() is root:
+                        entry = candidate
+                        break
+            new = entry is None
+            if new:
+                if same is None:
+                    same = self._by_stamp[stamp] = []
+                elif any(c.root() is not root for c in same):
+                    self.num_family_entries += 1
+                nbytes = storage.nbytes()
+                entry = Entry(
+                    stamp, weakref.ref(root), tensor, storage,
+                    offload and nbytes >= self._min_offload_bytes, where,
+                )
+                same.append(entry)
+                self.num_entries += 1
+            else:
+                self.num_deduplicated += 1
+            self.num_packed += 1
+            entry.refs += 1
+        return Handle(entry, self.release, tensor, scope), entry, new
+
+    def release(self, entry: Entry) -> None:
+        """One handle of ``entry`` died (``Handle.__del__``)."""
+        with self.lock:
+            if self.closed:
+                return
+            entry.refs -= 1
+            if entry.refs:
+                return
+            same = self._by_stamp.get(entry.stamp)
+            if same is not None and entry in same:
+                same.remove(entry)
+                if not same:
+                    del self._by_stamp[entry.stamp]
+                self.num_entries -= 1
+            self._on_drop(entry)
+            empty = self.num_entries == 0
+        if empty:
+            self._on_empty()  # outside the table lock: lock order is hooks -> table -> engine
+
+    def entries(self) -> list[Entry]:
+        """Every live entry (a copy)."""
+        with self.lock:
+            return [e for same in self._by_stamp.values() for e in same]
+
+    def take_counts(self) -> tuple[int, int, int]:
+        """(handles made, deduplicated saves, family entries) since the last call."""
+        with self.lock:
+            counts = (self.num_packed, self.num_deduplicated, self.num_family_entries)
+            self.num_packed = self.num_deduplicated = self.num_family_entries = 0
+            return counts
+
+    def close(self) -> list[Entry]:
+        """Forget every entry (releases after this are no-ops); returns them."""
+        with self.lock:
+            self.closed = True
+            out = [e for same in self._by_stamp.values() for e in same]
+            self._by_stamp.clear()
+            self.num_entries = 0
+            return out
