@@ -10,7 +10,7 @@ import torch
 
 __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
-    "is_functorch_wrapped", "STAMP_ATTR",
+    "is_functorch_wrapped", "in_functorch_transform", "STAMP_ATTR",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -58,6 +58,12 @@ def release_alias(alias: torch.Tensor) -> None:
     with torch.no_grad():
         alias.set_(alias.new_empty(0))
     torch._C._autograd._unsafe_set_version_counter((alias,), (version,))
+
+
+def in_functorch_transform() -> bool:
+    """Whether a torch.func transform (grad, vmap, vjp, ...) is running on this thread; those
+    refuse saved-tensor hooks ("don't yet support saved tensor hooks")."""
+    return torch._C._functorch.maybe_current_level() is not None
 
 
 def is_functorch_wrapped(tensor: torch.Tensor) -> bool:

@@ -92,7 +92,10 @@ class _ThreadState(threading.local):
 
 def modified_error(shape: tuple, dtype: torch.dtype, where: str, expected: int, found: int | None) -> TBAError:
     """PyTorch's in-place error, raised by tba where autograd no longer checks."""
-    found_text = f"is at version {found}" if found is not None else "was written while it was being offloaded"
+    found_text = (
+        f"is at version {found}" if found is not None
+        else "was modified in place while tba was offloading it"
+    )
     return TBAError(
         "one of the variables needed for gradient computation has been modified by an inplace "
         f"operation: [{dtype} {list(shape)}], saved for backward in {where or 'the model'}, "
@@ -178,6 +181,9 @@ class CacheHooks:
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or compat.in_backward():
             return
+        if compat.in_functorch_transform():
+            self._functorch_note()
+            return  # torch.func refuses saved-tensor hooks: autograd keeps everything
         state = self._local
         state.depth += 1
         if state.depth > 1:
@@ -186,6 +192,7 @@ class CacheHooks:
         self._param_ptrs = frozenset(
             compat.local_tensor(t).untyped_storage().data_ptr()
             for t in itertools.chain(self.model.parameters(), self.model.buffers())
+            if not compat.is_functorch_wrapped(t)  # torch.func.functional_call's stand-ins
         )
         with self._lock:
             self._num_active += 1
@@ -317,13 +324,16 @@ class CacheHooks:
         return handle
 
     def _functorch(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._functorch_note()
+        return tensor
+
+    def _functorch_note(self) -> None:
         if not self._warned_functorch:
             self._warned_functorch = True
             logger.info(
-                "tba: torch.func (grad/vmap) tensors are saved as they are; tba does not "
-                "offload inside function transforms"
+                "tba: forward runs inside a torch.func transform (grad, vmap, ...), which "
+                "does not support saved-tensor hooks: tba leaves its activations to autograd"
             )
-        return tensor
 
     def _pack_subclass(self, tensor: torch.Tensor) -> Any:
         """A wrapper subclass (DTensor, jagged NestedTensor, ...): pack the plain tensors it
