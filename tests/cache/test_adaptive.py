@@ -109,8 +109,9 @@ def test_throttled_moves_boundary_earlier() -> None:
     assert adaptive_tail < fixed_tail
     decision = cache.adaptive_decision
     assert decision is not None and decision.tail_start == adaptive_tail
-    # Bandwidth comes from completed stores, so it is the throttle's, not the enqueue rate.
-    assert 0.5 * 2 * MiB < decision.write_bytes_per_s < 1.5 * 2 * MiB
+    # Bandwidth comes from completed stores, so it is at most the throttle's, not the (far
+    # higher) enqueue rate; how far below depends on the machine's load, so only > 0.
+    assert 0 < decision.write_bytes_per_s <= 1.05 * 2 * MiB
     assert f"block {adaptive_tail}" in decision.reason
 
 
@@ -128,8 +129,7 @@ def test_reprofiles_when_inputs_change() -> None:
 
     def step(cache, batch: int) -> None:
         loss = model(torch.randn(batch, 16))
-        while cache._transfers.inflight_bytes:  # the profile needs completed writes
-            time.sleep(0.005)
+        cache.wait_for_stores(60)  # the profile needs completed writes
         loss.backward()
 
     with tba.configure_tensor_cache(model, offloader=steady, offload_devices=("cpu",),
@@ -144,17 +144,41 @@ def test_reprofiles_when_inputs_change() -> None:
         assert cache.adaptive_decision is not first
 
 
-def test_throttled_caps_bandwidth() -> None:
+class FakeClock:
+    """Stands in for the ``time`` module of the throttle: time moves only when it sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_throttled_caps_bandwidth(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tba.offloaders.throttled as throttled
+
+    clock = FakeClock()
+    monkeypatch.setattr(throttled, "time", clock)
     slow = Throttled("host", write_bytes_per_s=50 * MiB, read_bytes_per_s=100 * MiB)
-    src = torch.zeros(5 * MiB, dtype=torch.uint8)
-    start = time.perf_counter()
+    src = torch.arange(5 * MiB, dtype=torch.int64).to(torch.uint8)
     token = slow.store(src)
-    assert time.perf_counter() - start >= 0.09  # 5 MiB at 50 MiB/s
+    assert clock.sleeps == [pytest.approx(0.1)]  # 5 MiB at 50 MiB/s
+    second = slow.store(src[: MiB])
+    assert clock.sleeps[1:] == [pytest.approx(0.02)]  # back to back: 1 MiB more
     dst = torch.empty_like(src)
-    start = time.perf_counter()
     slow.load(token, dst)
-    assert time.perf_counter() - start >= 0.045
+    assert clock.sleeps[2:] == [pytest.approx(0.05)]  # 5 MiB at 100 MiB/s
+    assert torch.equal(dst, src)
+    clock.now += 10.0  # idle time is not credited: the next read waits its full share
+    slow.load(second, dst[: MiB])
+    assert clock.sleeps[3:] == [pytest.approx(0.01)]
     slow.release(token)
+    slow.release(second)
     slow.close()
     with pytest.raises(ValueError, match="write_bytes_per_s=-1"):
         Throttled("host", write_bytes_per_s=-1)
@@ -168,8 +192,7 @@ def test_summary_and_trace(tmp_path) -> None:
                                     adaptive=False) as cache:
         for _ in range(2):
             loss = model(torch.randn(16, 16))
-            while cache._transfers.inflight_bytes:
-                time.sleep(0.005)
+            cache.wait_for_stores(60)
             loss.backward()
         stats = cache.stats()
         table = cache.summary()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -164,8 +162,7 @@ def test_fused_views_written_once() -> None:
     model = FusedQKV()
     with tba.configure_tensor_cache(model, **OPTIONS) as cache:
         loss = model(torch.randn(8, 32))
-        while cache._transfers.inflight_bytes:  # let every store finish: nothing cancelled
-            threading.Event().wait(0.005)
+        cache.wait_for_stores(60)  # let every store finish: nothing cancelled
         loss.backward()
         stats = cache.stats()
     # Saved: x (linear), sig (sigmoid output), sig and v (mul), k (sin), a and b (mul), q, q.
@@ -226,11 +223,7 @@ def test_in_place_change_after_store_is_a_new_entry() -> None:
     twin = copy.deepcopy(model)
     with tba.configure_tensor_cache(model, **OPTIONS, adaptive=False, prefetch_modules=0) as cache:
 
-        def settle() -> None:
-            while cache._transfers.inflight_bytes:
-                threading.Event().wait(0.002)
-
-        model.pause = settle
+        model.pause = lambda: cache.wait_for_stores(60)
         x = torch.randn(8, 16)
         model(x).backward()
         stats = cache.stats()
