@@ -13,7 +13,7 @@ import tba
 from tba.cache.policy import Boundary, solve_boundary
 from tba.offloaders import Throttled
 from tests import models
-from tests.twin import run_twins
+from tests.twin import assert_bytes_moved, run_twins
 
 MiB = 2**20
 
@@ -118,9 +118,10 @@ def test_throttled_moves_boundary_earlier() -> None:
 @pytest.mark.parametrize("throttle", [None, 20 * MiB])
 def test_adaptive_bit_exact(throttle) -> None:
     offloader = Throttled("host", write_bytes_per_s=throttle) if throttle else "host"
-    run_twins(lambda: models.Stack(num_blocks=4, width=64), models.vector_batch, steps=4,
-              offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0,
-              adaptive=True, profile_step=2)
+    cache = run_twins(lambda: models.Stack(num_blocks=4, width=64), models.vector_batch, steps=4,
+                      settle=True, offloader=offloader, offload_devices=("cpu",),
+                      min_offload_bytes=0, adaptive=True, profile_step=2)
+    assert_bytes_moved(cache)
 
 
 def test_reprofiles_when_inputs_change() -> None:

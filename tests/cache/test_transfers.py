@@ -13,7 +13,7 @@ import tba
 from tba.cache.tensor_cache import TensorCache
 from tests import models
 from tests.cache.fakes import FakeOffloader, RecordingStreams
-from tests.twin import run_twins
+from tests.twin import assert_bytes_moved, run_twins
 
 
 def make_cache(model, offloader, streams=None, **options) -> TensorCache:
@@ -188,7 +188,8 @@ def test_io_error_keep_warns_once_and_stays_bit_exact() -> None:
 
 def test_custom_offloader_bit_exact_and_released() -> None:
     offloader = FakeOffloader()
-    run_twins(models.gpt2, models.lm_batch, steps=3, offloader=offloader,
-              offload_devices=("cpu",), min_offload_bytes=0)
-    assert offloader.num_stores > 0
+    cache = run_twins(models.gpt2, models.lm_batch, steps=3, settle=True, offloader=offloader,
+                      offload_devices=("cpu",), min_offload_bytes=0)
+    assert_bytes_moved(cache)
+    assert offloader.num_stores > 0 and offloader.num_loads > 0
     assert offloader.closed and not offloader.blobs
