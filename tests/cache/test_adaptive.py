@@ -146,10 +146,12 @@ def test_reprofiles_when_inputs_change() -> None:
 
 
 class FakeClock:
-    """Stands in for the ``time`` module of the throttle: time moves only when it sleeps."""
+    """Stands in for the ``time`` module of the throttle: time moves only when it sleeps
+    (or, with ``frozen``, not at all: calls that start at one instant, as from two threads)."""
 
     def __init__(self) -> None:
         self.now = 100.0
+        self.frozen = False
         self.sleeps: list[float] = []
 
     def perf_counter(self) -> float:
@@ -157,7 +159,8 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
-        self.now += seconds
+        if not self.frozen:
+            self.now += seconds
 
 
 def test_throttled_caps_bandwidth(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,17 +172,19 @@ def test_throttled_caps_bandwidth(monkeypatch: pytest.MonkeyPatch) -> None:
     src = torch.arange(5 * MiB, dtype=torch.int64).to(torch.uint8)
     token = slow.store(src)
     assert clock.sleeps == [pytest.approx(0.1)]  # 5 MiB at 50 MiB/s
-    second = slow.store(src[: MiB])
-    assert clock.sleeps[1:] == [pytest.approx(0.02)]  # back to back: 1 MiB more
     dst = torch.empty_like(src)
     slow.load(token, dst)
-    assert clock.sleeps[2:] == [pytest.approx(0.05)]  # 5 MiB at 100 MiB/s
+    assert clock.sleeps[1:] == [pytest.approx(0.05)]  # 5 MiB at 100 MiB/s
     assert torch.equal(dst, src)
     clock.now += 10.0  # idle time is not credited: the next read waits its full share
-    slow.load(second, dst[: MiB])
-    assert clock.sleeps[3:] == [pytest.approx(0.01)]
-    slow.release(token)
-    slow.release(second)
+    slow.load(token, dst)
+    assert clock.sleeps[2:] == [pytest.approx(0.05)]
+    # Two stores starting at one instant share the cap: the second waits for both slots.
+    clock.frozen = True
+    first, second = slow.store(src[:MiB]), slow.store(src[:MiB])
+    assert clock.sleeps[3:] == [pytest.approx(0.02), pytest.approx(0.04)]
+    for t in (token, first, second):
+        slow.release(t)
     slow.close()
     with pytest.raises(ValueError, match="write_bytes_per_s=-1"):
         Throttled("host", write_bytes_per_s=-1)
