@@ -25,11 +25,20 @@ def run_twins(
     steps: int = 3,
     microbatches: int = 1,
     forward: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    settle: bool = False,
+    settle_timeout_s: float = 60.0,
+    on_configure: Callable[[tba.TensorCache], None] | None = None,
     **options: Any,
 ) -> tba.TensorCache:
     """Train ``steps`` Adam steps twice from one initial state: once with tba (``options``),
     once without. Asserts every loss and every parameter gradient are equal (``torch.equal``)
     at every step, and returns the (closed) cache for further checks.
+
+    With ``settle``, every forward of the tba model is followed by
+    ``cache.wait_for_stores(settle_timeout_s)`` before its backward: every store has completed,
+    so backward reads offloaded tensors back instead of cancelling their stores (pair it with
+    :func:`assert_bytes_moved`). ``on_configure`` is called with the new cache before the first
+    forward.
 
     RNG is reseeded identically before each microbatch of both runs, so dropout masks match
     only if tba consumes no random numbers.
@@ -43,6 +52,8 @@ def run_twins(
     opt_ref = torch.optim.Adam(reference.parameters(), lr=1e-3)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     cache = tba.configure_tensor_cache(model, **options)
+    if on_configure is not None:
+        on_configure(cache)
     try:
         for step in range(steps):
             for net, optimizer, label in ((reference, opt_ref, "reference"), (model, opt, "tba")):
@@ -51,6 +62,8 @@ def run_twins(
                 for micro in range(microbatches):
                     torch.manual_seed(1000 * step + micro)
                     loss = forward(net, make_batch(1000 * step + micro))
+                    if settle and label == "tba":
+                        cache.wait_for_stores(settle_timeout_s)
                     loss.backward()
                     losses.append(loss.detach())
                 if label == "reference":
@@ -70,3 +83,13 @@ def run_twins(
     for a, b in zip(reference.parameters(), model.parameters()):
         assert torch.equal(a, b)
     return cache
+
+
+def assert_bytes_moved(cache: tba.TensorCache) -> tba.CacheStats:
+    """Assert that ``cache`` really wrote bytes to its offloader and read bytes back (over all
+    steps): a bit-exact comparison proves nothing about offloading otherwise. Returns the
+    cumulative stats."""
+    total = cache.stats(cumulative=True)
+    assert total.offloaded_bytes > 0, f"nothing was offloaded, the test proves nothing: {total}"
+    assert total.reloaded_bytes > 0, f"nothing was read back, the test proves nothing: {total}"
+    return total

@@ -383,9 +383,10 @@ class Transfers:
                         else:
                             entry.token, entry.state = token, State.STORED
                             entry.data = None
-                            entry.alias = None
                             self.resident_bytes -= entry.nbytes
                             if alias is not None:
+                                # Keep the alias: it still sees the family's version counter
+                                # (Note [Saved-version check]), but no longer its memory.
                                 release_alias(alias)
                 self.cond.notify_all()
             if release is not None:

@@ -13,7 +13,7 @@ import tba
 from tba.cache.policy import Boundary, solve_boundary
 from tba.offloaders import Throttled
 from tests import models
-from tests.twin import run_twins
+from tests.twin import assert_bytes_moved, run_twins
 
 MiB = 2**20
 
@@ -109,17 +109,19 @@ def test_throttled_moves_boundary_earlier() -> None:
     assert adaptive_tail < fixed_tail
     decision = cache.adaptive_decision
     assert decision is not None and decision.tail_start == adaptive_tail
-    # Bandwidth comes from completed stores, so it is the throttle's, not the enqueue rate.
-    assert 0.5 * 2 * MiB < decision.write_bytes_per_s < 1.5 * 2 * MiB
+    # Bandwidth comes from completed stores, so it is at most the throttle's, not the (far
+    # higher) enqueue rate; how far below depends on the machine's load, so only > 0.
+    assert 0 < decision.write_bytes_per_s <= 1.05 * 2 * MiB
     assert f"block {adaptive_tail}" in decision.reason
 
 
 @pytest.mark.parametrize("throttle", [None, 20 * MiB])
 def test_adaptive_bit_exact(throttle) -> None:
     offloader = Throttled("host", write_bytes_per_s=throttle) if throttle else "host"
-    run_twins(lambda: models.Stack(num_blocks=4, width=64), models.vector_batch, steps=4,
-              offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0,
-              adaptive=True, profile_step=2)
+    cache = run_twins(lambda: models.Stack(num_blocks=4, width=64), models.vector_batch, steps=4,
+                      settle=True, offloader=offloader, offload_devices=("cpu",),
+                      min_offload_bytes=0, adaptive=True, profile_step=2)
+    assert_bytes_moved(cache)
 
 
 def test_reprofiles_when_inputs_change() -> None:
@@ -128,7 +130,7 @@ def test_reprofiles_when_inputs_change() -> None:
 
     def step(cache, batch: int) -> None:
         loss = model(torch.randn(batch, 16))
-        cache.wait_for_stores(10)  # the profile needs completed writes
+        cache.wait_for_stores(60)  # the profile needs completed writes
         loss.backward()
 
     with tba.configure_tensor_cache(model, offloader=steady, offload_devices=("cpu",),
@@ -143,17 +145,46 @@ def test_reprofiles_when_inputs_change() -> None:
         assert cache.adaptive_decision is not first
 
 
-def test_throttled_caps_bandwidth() -> None:
+class FakeClock:
+    """Stands in for the ``time`` module of the throttle: time moves only when it sleeps
+    (or, with ``frozen``, not at all: calls that start at one instant, as from two threads)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.frozen = False
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        if not self.frozen:
+            self.now += seconds
+
+
+def test_throttled_caps_bandwidth(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tba.offloaders.throttled as throttled
+
+    clock = FakeClock()
+    monkeypatch.setattr(throttled, "time", clock)
     slow = Throttled("host", write_bytes_per_s=50 * MiB, read_bytes_per_s=100 * MiB)
-    src = torch.zeros(5 * MiB, dtype=torch.uint8)
-    start = time.perf_counter()
+    src = torch.arange(5 * MiB, dtype=torch.int64).to(torch.uint8)
     token = slow.store(src)
-    assert time.perf_counter() - start >= 0.09  # 5 MiB at 50 MiB/s
+    assert clock.sleeps == [pytest.approx(0.1)]  # 5 MiB at 50 MiB/s
     dst = torch.empty_like(src)
-    start = time.perf_counter()
     slow.load(token, dst)
-    assert time.perf_counter() - start >= 0.045
-    slow.release(token)
+    assert clock.sleeps[1:] == [pytest.approx(0.05)]  # 5 MiB at 100 MiB/s
+    assert torch.equal(dst, src)
+    clock.now += 10.0  # idle time is not credited: the next read waits its full share
+    slow.load(token, dst)
+    assert clock.sleeps[2:] == [pytest.approx(0.05)]
+    # Two stores starting at one instant share the cap: the second waits for both slots.
+    clock.frozen = True
+    first, second = slow.store(src[:MiB]), slow.store(src[:MiB])
+    assert clock.sleeps[3:] == [pytest.approx(0.02), pytest.approx(0.04)]
+    for t in (token, first, second):
+        slow.release(t)
     slow.close()
     with pytest.raises(ValueError, match="write_bytes_per_s=-1"):
         Throttled("host", write_bytes_per_s=-1)
@@ -167,7 +198,7 @@ def test_summary_and_trace(tmp_path) -> None:
                                     adaptive=False) as cache:
         for _ in range(2):
             loss = model(torch.randn(16, 16))
-            cache.wait_for_stores(10)
+            cache.wait_for_stores(60)
             loss.backward()
         stats = cache.stats()
         table = cache.summary()

@@ -14,7 +14,7 @@ import tba
 from tba.cache.tensor_cache import TensorCache
 from tests import models
 from tests.cache.fakes import FakeOffloader, RecordingStreams
-from tests.twin import run_twins
+from tests.twin import assert_bytes_moved, run_twins
 
 
 def make_cache(model, offloader, streams=None, **options) -> TensorCache:
@@ -31,8 +31,7 @@ def test_stream_ordering_of_stores_and_loads() -> None:
     cache = make_cache(model, offloader, streams, prefetch_modules=0)
     loss = model(models.vector_batch(0))
     # Let every store finish before backward, so backward has to load.
-    deadline = threading.Event()
-    cache.wait_for_stores(10)
+    cache.wait_for_stores(60)
     loss.backward()
     stats = cache.stats()
     cache.close()
@@ -65,13 +64,12 @@ def test_forwarding_serves_in_flight_store_without_read() -> None:
     cache = make_cache(model, offloader)
     loss = model(models.vector_batch(0))
     assert offloader.store_started.acquire(timeout=10)  # one store is running, the rest queued
-    # Backward needs the tensors while the first store is still running: all served from
-    # memory, the queued stores cancelled, nothing read.
-    timer = threading.Timer(0.5, offloader.gate.set)
-    timer.start()
+    # Backward needs the tensors while the first store is still held at the gate: all served
+    # from memory, the queued stores cancelled, nothing read. Backward never waits for a
+    # running store (if it did, the gate's own 30 s bound fails the store and the test).
     loss.backward()
-    timer.join()
     stats = cache.stats()
+    offloader.gate.set()  # only now can the running store finish
     cache.close()
     assert offloader.num_loads == 0
     assert stats.reloaded_bytes == 0
@@ -87,7 +85,7 @@ def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
     cache = make_cache(model, offloader, prefetch_modules=2)
     for step in range(3):
         loss = model(models.vector_batch(step))
-        cache.wait_for_stores(10)
+        cache.wait_for_stores(60)
         loss.backward()
         assert cache.stats().reloaded_bytes > 0
     cache.close()
@@ -110,7 +108,7 @@ def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
     entry = Entry(1, weakref.ref(saved), saved, saved.untyped_storage(), True, "test")
     del saved
     transfers.add(entry)
-    transfers.wait_for_stores(10)
+    transfers.wait_for_stores(60)
     assert entry.state is State.STORED
     assert entry.data is None and transfers.resident_bytes == 0
     loaded, _ = transfers.fetch(entry)  # nobody prefetched it
@@ -128,28 +126,49 @@ def test_inflight_bytes_bound_applies_backpressure() -> None:
     offloader.gate = threading.Event()
     model = models.Stack(num_blocks=4, width=64)
     cache = make_cache(model, offloader, max_inflight_bytes=1)
-    timer = threading.Timer(0.3, offloader.gate.set)
-    timer.start()
-    loss = model(models.vector_batch(0))
-    timer.join()
-    # With room for one store at a time, forward waited for the gated store.
-    assert cache._transfers.step.store_wait_s >= 0.2
+    result: list[torch.Tensor] = []
+    forward = threading.Thread(target=lambda: result.append(model(models.vector_batch(0))),
+                               daemon=True)
+    forward.start()
+    try:
+        assert offloader.store_started.acquire(timeout=30), "no store started"
+        # With room for one store at a time and that store held at the gate, forward cannot
+        # finish: it waits in its next pack. (A correct cache never gets past this point, so
+        # this wait cannot fail it; it only bounds how long a broken one is given.)
+        forward.join(0.5)
+        assert forward.is_alive(), "forward finished while the only allowed store was held"
+        assert offloader.num_stores == 0
+    finally:
+        offloader.gate.set()
+    forward.join(60)
+    assert not forward.is_alive(), "forward still blocked 60 s after the store was released"
+    (loss,) = result
+    cache.wait_for_stores(60)
     loss.backward()
+    stats = cache.stats()
     cache.close()
+    assert stats.store_wait_s > 0  # the wait is accounted
+    assert stats.num_offloaded == offloader.num_stores > 1
 
 
 @pytest.mark.parametrize("where", ["store", "load"])
 def test_io_error_raises_in_training_step(where: str) -> None:
     offloader = FakeOffloader()
     model = models.Stack(num_blocks=3)
-    cache = make_cache(model, offloader, prefetch_modules=0)
+    # max_inflight_bytes=1: each new entry waits for the store before it, so a failed store
+    # is seen by the very forward that queued it.
+    cache = make_cache(model, offloader, prefetch_modules=0, max_inflight_bytes=1)
+    offloader.fail_store = where == "store"
+    phase = "forward"
     with pytest.raises(tba.OffloadIOError) as info:
-        for step in range(3):
-            offloader.fail_store = where == "store"
-            loss = model(models.vector_batch(step))
-            cache.wait_for_stores(10)
-            offloader.fail_load = where == "load"
-            loss.backward()
+        loss = model(models.vector_batch(0))
+        phase = "wait"
+        cache.wait_for_stores(60)  # every store finished: backward has to load
+        offloader.fail_load = where == "load"
+        phase = "backward"
+        loss.backward()
+        phase = "none"
+    assert phase == ("forward" if where == "store" else "backward")
     message = str(info.value)
     assert "injected" in message
     if where == "store":
@@ -172,7 +191,8 @@ def test_io_error_keep_warns_once_and_stays_bit_exact() -> None:
 
 def test_custom_offloader_bit_exact_and_released() -> None:
     offloader = FakeOffloader()
-    run_twins(models.gpt2, models.lm_batch, steps=3, offloader=offloader,
-              offload_devices=("cpu",), min_offload_bytes=0)
-    assert offloader.num_stores > 0
+    cache = run_twins(models.gpt2, models.lm_batch, steps=3, settle=True, offloader=offloader,
+                      offload_devices=("cpu",), min_offload_bytes=0)
+    assert_bytes_moved(cache)
+    assert offloader.num_stores > 0 and offloader.num_loads > 0
     assert offloader.closed and not offloader.blobs

@@ -21,8 +21,8 @@ CASES = {
 def test_bit_exact_training(name: str, offloader: str) -> None:
     make_model, make_batch = CASES[name]
     cache = run_twins(
-        make_model, make_batch, steps=3, offloader=offloader, offload_devices=("cpu",),
-        min_offload_bytes=0,
+        make_model, make_batch, steps=3, settle=True, offloader=offloader,
+        offload_devices=("cpu",), min_offload_bytes=0,
     )
     total = cache.stats(cumulative=True)
     assert total.num_steps == 3
