@@ -50,14 +50,13 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def release_alias(alias: torch.Tensor) -> None:
     """Point ``alias`` (a ``detach()`` alias) at an empty storage, keeping its version counter
-    (shared with its view family) and that counter's value: the family's in-place writes stay
-    observable through ``alias._version`` without holding the memory (Note [Saved-version
-    check] in tba/cache/table.py). ``set_`` counts as an in-place write; the value is restored
-    with ``_unsafe_set_version_counter`` (torch >= 2.1)."""
-    version = alias._version
-    with torch.no_grad():
+    (shared with its view family) untouched: the family's in-place writes stay observable
+    through ``alias._version`` without holding the memory (Note [Saved-version check] in
+    tba/cache/table.py). ``set_`` is dispatched below the ADInplaceOrView key, which is where
+    in-place ops bump the counter, so no thread ever sees a transient version change (autograd
+    checks that a pack hook leaves its input's version alone)."""
+    with torch._C._AutoDispatchBelowADInplaceOrView():
         alias.set_(alias.new_empty(0))
-    torch._C._autograd._unsafe_set_version_counter((alias,), (version,))
 
 
 def in_functorch_transform() -> bool:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tba import _env
+
+# Note [Cache invariants]: every cache made by any test (and by the workers tests start, which
+# inherit the environment) checks its bookkeeping after each completed step and raises
+# TBAError in the training step on a violation.
+os.environ.setdefault("TBA_CHECK_INVARIANTS", "1")
 
 
 def _cuda_available() -> bool:

@@ -126,7 +126,7 @@ class CacheHooks:
         self.engine = engine
         self.steps = steps
         self.boundary = boundary
-        self._finish_step = finish_step
+        self._finish_step_ref = finish_step  # a weakref.WeakMethod of the cache's
         self._devices = frozenset(config.offload_devices)
         self._offloading = engine.offloader is not None
         self._lock = threading.RLock()  # records, hint, step transitions
@@ -425,7 +425,7 @@ class CacheHooks:
                 if budget == 0:
                     break
                 budget -= 1
-            wanted.extend(current.entries)
+            wanted.extend(reversed(current.entries))  # backward needs the last saved first
         self.engine.prefetch_many(wanted)
 
     def set_stage(self, hint: StageHint) -> None:
@@ -449,6 +449,11 @@ class CacheHooks:
                 and (hint is None or hint.next_action is None)
             ):
                 self._finish_step()
+
+    def _finish_step(self) -> None:
+        finish = self._finish_step_ref()
+        if finish is not None:
+            finish()
 
     def step_finished(self) -> None:
         """Forget the finished step's records and grad_fn hooks (lock held by the caller)."""

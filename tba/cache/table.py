@@ -44,6 +44,10 @@ __all__ = ["EntryTable"]
 _STAMPS = itertools.count(1)  # Note [Storage stamps]
 
 
+def _nothing(*args: object) -> None:
+    return None
+
+
 class EntryTable:
     """Live entries by storage stamp. Thread-safe: packs may come from several threads and
     releases from autograd's threads.
@@ -153,6 +157,8 @@ class EntryTable:
         """Forget every entry (releases after this are no-ops); returns them."""
         with self.lock:
             self.closed = True
+            # Live graphs still hold handles, hence this table: let go of the cache.
+            self._on_drop = self._on_empty = _nothing  # type: ignore[assignment]
             out = [e for same in self._by_stamp.values() for e in same]
             self._by_stamp.clear()
             self.num_entries = 0

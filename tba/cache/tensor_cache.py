@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
@@ -36,6 +37,15 @@ from tba.offloaders.base import Offloader
 __all__ = ["TensorCache", "StageHint"]
 
 logger = logging.getLogger(__name__)
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cuda"
+
+
+def _store_wait_s(engine: Transfers) -> float:
+    return engine.step.store_wait_s
 
 
 def _shutdown(engine: Transfers, offloader: Offloader | None) -> None:
@@ -86,13 +96,15 @@ class TensorCache:
             self.num_blocks = len(self.units)
         self.boundary = Boundary(self.num_blocks, config.keep_last_modules)
         self._steps = Steps(
-            config, self.boundary, offloader, self._on_cuda,
-            lambda engine=self._engine: engine.step.store_wait_s,
+            config, self.boundary, offloader, functools.partial(_on_cuda, model),
+            functools.partial(_store_wait_s, self._engine),
         )
-        self._table = EntryTable(config.min_offload_bytes, self._engine.drop, self._on_empty)
+        self._table = EntryTable(config.min_offload_bytes, self._engine.drop, self._on_empty_weak())
+        # Live graphs hold the hooks (autograd keeps the unpack hook with every saved
+        # tensor): the hooks hold the cache only weakly, so a graph never keeps it alive.
         self._hooks = CacheHooks(
             model, config, self.units, self._table, self._engine, self._steps, self.boundary,
-            self._finish_step,
+            weakref.WeakMethod(self._finish_step),
         )
         # What set_stage saw, in order (bounded): the integrations' tests compare it with the
         # schedule's own order.
@@ -208,8 +220,15 @@ class TensorCache:
         )
 
     # ------------------------------------------------------------------ steps
-    def _on_empty(self) -> None:
-        self._hooks.on_empty()
+    def _on_empty_weak(self) -> Callable[[], None]:
+        ref = weakref.ref(self)
+
+        def on_empty() -> None:
+            cache = ref()
+            if cache is not None:
+                cache._hooks.on_empty()
+
+        return on_empty
 
     def _finish_step(self) -> None:
         """Close the running step (hooks lock held)."""
@@ -248,9 +267,6 @@ class TensorCache:
     def _raise_violation(self) -> None:
         self._engine.raise_pending()
 
-    def _on_cuda(self) -> bool:
-        param = next(self.model.parameters(), None)
-        return param is not None and param.device.type == "cuda"
 
     # ------------------------------------------------------------------ for tests
     @property

@@ -15,7 +15,7 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "ho.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "hook_overhead.py"), "--blocks", "2",
-         "--ops", "20", "--repeats", "3", "--out", str(out)],
+         "--ops", "20", "--repeats", "3", "--large-ops", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -23,7 +23,12 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     # sin saves its input and mul saves sin(x) (the weight is a parameter, not packed); the
     # very first sin reads an input that needs no grad and saves nothing.
-    assert result["num_packed_per_step"] == 2 * 20 * 2 - 1
-    assert result["step_s_with"] > 0 and result["step_s_without"] > 0
+    assert result["tiny"]["_counts"]["num_packed"] == 2 * 20 * 2 - 1
+    assert result["large_1MiB"]["_counts"]["num_packed"] == 2 * 1 * 2 - 1
+    # keep_last_modules=0: every tensor is offloaded with "host".
+    assert result["tiny"]["_counts"]["num_offloaded"] == 2 * 20 * 2 - 1
+    for size in ("tiny", "large_1MiB"):
+        for name in ("no hooks", "bare hooks", "save_on_cpu", "tba none", "tba host"):
+            assert result[size][name]["step_s"] > 0
     assert "torch" in result["environment"] and "command" in result["environment"]
-    assert "us per tensor" in proc.stdout
+    assert "x bare hooks" in proc.stdout and "us per offloaded tensor" in proc.stdout

@@ -246,11 +246,29 @@ def test_registry_holds_modules_weakly():
     import gc
 
     module = nn.Linear(2, 2)
-    registry.register(RecordingCache(), module)
+    cache = RecordingCache()
+    registry.register(cache, module)
     count = len(registry.registered())
     del module
     gc.collect()
     assert len(registry.registered()) == count - 1
+
+
+def test_registry_holds_caches_weakly():
+    """A cache holds its module: a strong value would keep the weak key alive forever, and a
+    cache dropped without close() would never be collected."""
+    import gc
+    import weakref
+
+    module = nn.Linear(2, 2)
+    cache = RecordingCache()
+    registry.register(cache, module)
+    assert registry.lookup(module) is cache
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None
+    assert registry.lookup(module) is None
 
 
 # ------------------------------------------------------------------------------ look-ahead

@@ -1,0 +1,39 @@
+"""The private torch calls tba relies on (tba/_torch_compat.py) behave as the cache assumes."""
+
+from __future__ import annotations
+
+import torch
+
+from tba import _torch_compat as compat
+
+
+def test_release_alias_frees_nothing_it_shares_and_keeps_the_version_counter() -> None:
+    x = torch.randn(5, requires_grad=True)
+    h = x * 2
+    alias = h.detach()
+    view = h[1:]
+    before = h._version
+    compat.release_alias(alias)
+    # No transient or lasting bump: autograd refuses pack hooks that change their input's
+    # version, and the saved-version check compares exact values.
+    assert h._version == before and alias._version == before
+    assert alias.numel() == 0 and alias.untyped_storage().nbytes() == 0
+    assert h.numel() == 5 and torch.equal(h, x.detach() * 2)
+    with torch.no_grad():
+        view.mul_(3)  # a write through another view of the family
+    assert alias._version == h._version == before + 1
+
+
+def test_functorch_detection() -> None:
+    from torch.func import grad
+
+    seen = []
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        seen.append((compat.in_functorch_transform(), compat.is_functorch_wrapped(t)))
+        return t.sin().sum()
+
+    grad(f)(torch.randn(3))
+    assert seen == [(True, True)]
+    assert not compat.in_functorch_transform()
+    assert not compat.is_functorch_wrapped(torch.randn(3))
