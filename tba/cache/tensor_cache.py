@@ -302,6 +302,7 @@ class TensorCache:
             or type(tensor) is not torch.Tensor
             or tensor.layout is not torch.strided
             or (tensor.requires_grad and tensor.is_leaf)
+            or _views_a_parameter(tensor)
             or tensor.is_conj()
             or tensor.is_neg()
         ):
@@ -440,6 +441,23 @@ class TensorCache:
     def _on_cuda(self) -> bool:
         param = next(self.model.parameters(), None)
         return param is not None and param.device.type == "cuda"
+
+
+def _views_a_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of a leaf that requires grad (``weight.t()``).
+
+    # Note [Parameters are never offloaded]
+    A parameter's bytes are held by its module anyway: storing them saves nothing and reads a
+    storage its owner may free. FSDP2 all-gathers each block's parameters into fresh storages
+    inside the forward, after ``_root_pre`` took ``_param_ptrs``, and with
+    ``reshard_after_forward=True`` frees them (``storage.resize_(0)``) after the block while a
+    queued store could still be reading them. Autograd saves a parameter itself (a leaf, kept
+    by the check before this one) or a view of it (``linear`` saves ``weight.t()``), whose
+    ``_base`` is the parameter. ``_param_ptrs`` still covers DTensor shards and buffers.
+    Tested by tests/integrations/test_fsdp.py.
+    """
+    base = tensor._base
+    return base is not None and base.requires_grad and base.is_leaf
 
 
 @dataclasses.dataclass(frozen=True)
