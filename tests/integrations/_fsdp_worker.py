@@ -57,6 +57,7 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 def train(rank: int, fsdp: bool, reshard: bool, with_tba: bool) -> dict[str, Any]:
     """3 Adam steps on this rank's data; losses, local gradients and per-step tba stats."""
     import tba
+    from tests.integrations import _common
 
     model = Model()
     if fsdp:
@@ -70,8 +71,8 @@ def train(rank: int, fsdp: bool, reshard: bool, with_tba: bool) -> dict[str, Any
         cache = tba.configure_tensor_cache(
             model, offloader="host", offload_devices="cpu", min_offload_bytes=0, adaptive=False
         )
-    param_ptrs = {p.untyped_storage().data_ptr() for p in _local_params(model)}
-    stored_ptrs = _record_stores(cache) if cache is not None else []
+    param_ptrs = _common.parameter_storages(model)
+    stored_ptrs = _common.record_stores(cache) if cache is not None else []
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(300 + rank)
     out: dict[str, Any] = {"losses": [], "grads": [], "stats": []}
@@ -99,23 +100,6 @@ def train(rank: int, fsdp: bool, reshard: bool, with_tba: bool) -> dict[str, Any
     # Sharded parameters live all along: none of their storages may have been written out.
     out["stored_params"] = sorted(param_ptrs & set(stored_ptrs))
     return out
-
-
-def _local_params(model: nn.Module) -> list[torch.Tensor]:
-    return [getattr(p, "_local_tensor", p) for p in model.parameters()]
-
-
-def _record_stores(cache: Any) -> list[int]:
-    """Wrap the offloader's ``store`` to record the data pointer of every source it reads."""
-    ptrs: list[int] = []
-    original = cache.offloader.store
-
-    def store(src: torch.Tensor) -> Any:
-        ptrs.append(src.data_ptr())
-        return original(src)
-
-    cache.offloader.store = store
-    return ptrs
 
 
 def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool, Any]]:
