@@ -30,7 +30,7 @@ class _Batches(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _train(tmp_path, callbacks: list) -> tuple[torch.nn.Module, list, list]:
+def _train(tmp_path, callbacks: list, make_model=models.gpt2) -> tuple[torch.nn.Module, list, list]:
     """Three AdamW steps of a tiny GPT-2 (dropout on) through Trainer; the model, every
     step's gradients (read before the optimizer step) and the log history."""
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
@@ -42,7 +42,7 @@ def _train(tmp_path, callbacks: list) -> tuple[torch.nn.Module, list, list]:
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
     set_seed(0)
-    model = models.gpt2()
+    model = make_model()
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=NUM_STEPS, per_device_train_batch_size=models.BATCH,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
@@ -104,3 +104,29 @@ def test_bad_options_fail_when_the_callback_is_made():
 
     with pytest.raises(ValueError, match="min_offload_bytes=-1"):
         TensorCacheCallback(min_offload_bytes=-1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+def test_peft_lora_through_trainer_is_bit_exact(tmp_path):
+    """A LoRA-wrapped GPT-2 (frozen base weights, whose transposes linear saves, must stay in
+    memory like any parameter) through the callback: bit-exact, bytes offloaded."""
+    from peft import LoraConfig, get_peft_model
+
+    from tba.integrations.hf import TensorCacheCallback
+
+    def lora():
+        return get_peft_model(
+            models.gpt2(), LoraConfig(r=4, target_modules=["c_attn", "c_fc"], lora_dropout=0.1)
+        )
+
+    callback = TensorCacheCallback(**OPTIONS)
+    reference, ref_grads, _ = _train(tmp_path / "ref", [], make_model=lora)
+    model, grads, logs = _train(tmp_path / "tba", [callback], make_model=lora)
+    assert ref_grads and len(grads) == len(ref_grads)
+    for step, (want, have) in enumerate(zip(ref_grads, grads)):
+        assert want.keys() == have.keys() and all("lora_" in n for n in want)
+        for name in want:
+            assert torch.equal(want[name], have[name]), f"step {step}: grad of {name} differs"
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), f"parameter {name} differs after training"
+    assert all(e["tba/offloaded_bytes"] > 0 for e in logs if "loss" in e), logs
