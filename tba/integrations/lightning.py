@@ -15,7 +15,7 @@ once and says why.
 The cache is configured in ``on_fit_start``, not ``setup``: Lightning calls
 ``LightningModule.configure_model`` (where large models build their layers) after ``setup``,
 and tba finds the model's blocks when it is configured. It is closed in ``teardown`` of the
-``"fit"`` stage, which Lightning also runs when fitting raises.
+``"fit"`` stage, or in ``on_exception`` when fitting raises.
 
 Works with ``lightning`` (``lightning.pytorch``) or the standalone ``pytorch_lightning``: the
 callback subclasses the ``Callback`` of whichever is installed, ``lightning`` first. Needs
@@ -114,6 +114,10 @@ class TensorCacheCallback(_pl.Callback):  # type: ignore[misc,name-defined]
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._owner.close()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning skips teardown hooks when fitting raises; it calls this instead.
+        self._owner.close()
 
     def close(self) -> None:
         """Close the cache now. Idempotent."""

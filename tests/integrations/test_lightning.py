@@ -138,3 +138,20 @@ def test_ambiguous_or_unknown_module_is_refused():
         _target(module, "nope")
     assert _target(module, "net.blocks") is module.net.blocks
     assert TensorCacheCallback(module="net").module == "net"
+
+
+def test_cache_is_closed_when_fit_raises():
+    from tba.integrations.lightning import TensorCacheCallback
+
+    pl = _pl()
+    callback = TensorCacheCallback(**OPTIONS)
+    caches = []
+
+    class Boom(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            caches.append(callback.cache)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        _fit([callback, Boom()])
+    assert caches[0] is not None and caches[0]._closed and callback.cache is None
