@@ -73,9 +73,14 @@ def test_trainer_callback_is_bit_exact_and_logs_stats(tmp_path):
     reference, ref_grads, ref_logs = _train(tmp_path / "ref", [])
     from transformers import TrainerCallback
 
+    seen_logs = []
+
     class HookAfterConfigure(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             model.register_forward_hook(WaitForStores())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen_logs.append(dict(logs))  # what callbacks after ours (reporters) receive
 
     model, grads, logs = _train(tmp_path / "tba", [callback, HookAfterConfigure()])
 
@@ -94,6 +99,8 @@ def test_trainer_callback_is_bit_exact_and_logs_stats(tmp_path):
     for entry in step_logs:
         assert entry["tba/offloaded_bytes"] > 0 and entry["tba/reloaded_bytes"] > 0, entry
         assert entry["tba/num_io_errors"] == 0, entry
+    passed_on = [e for e in seen_logs if "loss" in e]
+    assert len(passed_on) == NUM_STEPS and all(e["tba/offloaded_bytes"] > 0 for e in passed_on)
     # Configured on the model at train begin, closed at train end.
     assert seen_caches and seen_caches[0].model is model
     assert callback.cache is None and seen_caches[0]._closed
