@@ -59,7 +59,9 @@ class TensorCacheCallback(_transformers.TrainerCallback):  # type: ignore[misc,n
     def cache(self) -> Any:
         return self._owner.cache
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         if model is None:
             raise ValueError(
                 "tba.integrations.hf.TensorCacheCallback: the Trainer passed no model to "

@@ -125,7 +125,7 @@ def train(sequence_parallel: bool, with_tba: bool) -> dict[str, Any]:
     finally:
         if cache is not None:
             cache.close()
-    out["stored_params"] = sorted(param_ptrs & set(stored_ptrs)); print("DBG", sorted(param_ptrs), sorted(set(stored_ptrs)), flush=True)
+    out["stored_params"] = sorted(param_ptrs & set(stored_ptrs))
     return out
 
 

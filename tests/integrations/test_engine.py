@@ -82,7 +82,8 @@ def test_wrapper_records_the_original():
 
 
 def test_missing_extra_names_the_pip_install():
-    with pytest.raises(ImportError, match=r"tba.integrations.demo needs no_such_module_x: pip install 'tba\[demo\]'"):
+    expected = r"tba.integrations.demo needs no_such_module_x: pip install 'tba\[demo\]'"
+    with pytest.raises(ImportError, match=expected):
         import_extra("no_such_module_x", "tba.integrations.demo", "demo")
 
 
