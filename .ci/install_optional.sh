@@ -13,3 +13,7 @@ pip install -q --no-deps -c "$constraints" \
 # Pipeline engines for the integration tests (tested versions; megatron-core 0.17 needs
 # Python >= 3.12).
 pip install -q -c "$constraints" megatron-core==0.16.1 deepspeed==0.19.8
+
+# Trainer callbacks (tba[hf], tba[lightning]) at the versions their tests ran with, and PEFT for
+# the LoRA-through-Trainer test.
+pip install -q -c "$constraints" accelerate==1.15.0 pytorch-lightning==2.6.6 peft==0.21.2

@@ -34,7 +34,9 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def configure_tensor_cache(model: nn.Module, **options: Any) -> TensorCache:
+def configure_tensor_cache(
+    model: nn.Module, config: TensorCacheConfig | None = None, **options: Any
+) -> TensorCache:
     """Offload the activations ``model`` saves for backward; returns the cache.
 
     The cache hooks ``model`` (forward hooks, and ``saved_tensors_hooks`` around each of its
@@ -44,40 +46,33 @@ def configure_tensor_cache(model: nn.Module, **options: Any) -> TensorCache:
     Args:
         model: the module whose forward saves the activations (the whole model, or one
             pipeline stage).
-        **options: fields of :class:`TensorCacheConfig`.
+        config: a :class:`TensorCacheConfig` holding every option. Keywords may be given
+            beside it only when they agree with it; to change a config, pass
+            ``config.replace(...)``.
+        **options: fields of :class:`TensorCacheConfig` (instead of ``config``).
 
     Returns:
         The :class:`TensorCache`; ``close()`` it (or use it as a context manager) to remove
         every hook.
 
     Raises:
-        ValueError: an unknown or invalid option (every problem is listed), or ``model``
-            already has a cache.
+        ValueError: an unknown or invalid option (every problem is listed), keywords that
+            disagree with ``config``, or ``model`` already has a cache.
 
     Example:
         >>> cache = tba.configure_tensor_cache(model, offloader="host", offload_devices=("cuda",))
         >>> for batch in loader:
         ...     model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
         >>> print(cache.stats())
+        >>> cfg = tba.TensorCacheConfig(offloader="ssd", offload_devices="cuda")
+        >>> cache = tba.configure_tensor_cache(model, config=cfg)
     """
     from tba.integrations import registry
     from tba.offloaders import make_offloader
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"configure_tensor_cache expects a torch.nn.Module, got {type(model).__name__}")
-    fields = {f.name for f in dataclasses.fields(TensorCacheConfig)}
-    unknown = sorted(set(options) - fields)
-    problems = [
-        f"{name}: unknown option; accepted options are {', '.join(sorted(fields))}" for name in unknown
-    ]
-    try:
-        config = TensorCacheConfig(**{k: v for k, v in options.items() if k in fields})
-    except ValueError as exc:
-        problems.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
-    if problems:
-        raise ValueError(
-            "invalid tba.configure_tensor_cache options:\n" + "\n".join(f"  - {p}" for p in problems)
-        )
+    config = _resolve_config(config, options)
     if registry.lookup(model) is not None and any(m is model for m, _ in registry.registered()):
         raise ValueError(
             f"{type(model).__name__} already has a tba.TensorCache; close() it before "
@@ -94,6 +89,46 @@ def configure_tensor_cache(model: nn.Module, **options: Any) -> TensorCache:
     registry.register(cache, model)
     cache.add_close_callback(functools.partial(registry.unregister, model))
     return cache
+
+
+def _resolve_config(config: TensorCacheConfig | None, options: dict[str, Any]) -> TensorCacheConfig:
+    """The config that ``configure_tensor_cache(model, config, **options)`` means.
+
+    Raises:
+        ValueError: every problem at once: unknown or invalid options, ``config`` not a
+            :class:`TensorCacheConfig`, or keywords that disagree with ``config``.
+    """
+    if config is not None and not isinstance(config, TensorCacheConfig):
+        raise ValueError(
+            f"invalid tba.configure_tensor_cache options:\n  - config={config!r}: expected a "
+            "tba.TensorCacheConfig (or pass the options as keywords instead)"
+        )
+    fields = {f.name for f in dataclasses.fields(TensorCacheConfig)}
+    unknown = sorted(set(options) - fields)
+    problems = [
+        f"{name}: unknown option; accepted options are {', '.join(sorted(fields))}" for name in unknown
+    ]
+    known = {k: v for k, v in options.items() if k in fields}
+    resolved = config
+    try:
+        if config is None:
+            resolved = TensorCacheConfig(**known)
+        elif known:
+            resolved = config.replace(**known)
+    except ValueError as exc:
+        problems.extend(line.strip()[2:] for line in str(exc).splitlines()[1:])
+    if config is not None and resolved is not config:
+        problems.extend(
+            f"{name}={getattr(resolved, name)!r} as a keyword, but config has "
+            f"{name}={getattr(config, name)!r}: pass config=config.replace({name}=...) instead"
+            for name in sorted(known)
+            if getattr(resolved, name) != getattr(config, name)
+        )
+    if problems or resolved is None:
+        raise ValueError(
+            "invalid tba.configure_tensor_cache options:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return resolved
 
 
 def _rank() -> int | None:

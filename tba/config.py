@@ -84,12 +84,13 @@ class TensorCacheConfig:
     pipeline: Literal["auto", "torch", "megatron", "deepspeed"] | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists for the tuple fields, but store tuples so the config stays hashable.
+        # Accept one string or a list for the tuple fields, but store tuples so the config
+        # stays hashable. A lone string is one item ("cpu" -> ("cpu",)), never its characters.
         for name in ("offload_devices", "skip_modules", "block_modules", "ssd_dirs"):
             value = getattr(self, name)
             if isinstance(value, str):
-                value = (value,)
-            if isinstance(value, Sequence) and not isinstance(value, tuple):
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, Sequence) and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
         problems = list(self._problems())
         if problems:

@@ -83,6 +83,16 @@ class _PackedSubclass:
         self.cls, self.inner, self.context, self.size, self.stride = cls, inner, context, size, stride
 
 
+# Note [Parameters are never offloaded]: a parameter's bytes are held by its module anyway:
+# storing them saves nothing and reads a storage its owner may free. FSDP2 all-gathers each
+# block's parameters into fresh storages inside the forward (after ``_root_pre`` took
+# ``_param_ptrs``) and, with ``reshard_after_forward=True``, frees them with
+# ``storage.resize_(0)`` after the block, while a queued store could still be reading them.
+# Autograd saves a parameter itself (a leaf that requires grad) or a view of it (``linear``
+# saves ``weight.t()``, whose ``_base`` is the parameter): both are left to autograd.
+# ``_param_ptrs`` covers DTensor shards and buffers. Tested by tests/integrations/test_fsdp.py.
+
+
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.depth = 0
@@ -294,6 +304,9 @@ class CacheHooks:
             return _Unmanaged(tensor)  # parameters, non-strided tensors: autograd keeps them
         if compat.is_functorch_wrapped(tensor):
             return self._functorch(tensor)
+        base = tensor._base
+        if base is not None and base.requires_grad and base.is_leaf:
+            return _Unmanaged(tensor)  # Note [Parameters are never offloaded]
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self._param_ptrs:

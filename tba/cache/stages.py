@@ -1,13 +1,22 @@
-"""`StageHint`: what a pipeline scheduler says runs now and next (``TensorCache.set_stage``)."""
+"""`StageHint`: what a pipeline scheduler says runs now and next (``TensorCache.set_stage``).
+
+This module is also the one home of the action names: ``tba.integrations`` imports them from
+here (and this module imports nothing from tba).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import typing
+from typing import Literal
 
-__all__ = ["StageHint", "ACTIONS", "BACKWARD_ACTIONS"]
+__all__ = ["StageHint", "Action", "ACTIONS", "BACKWARD_ACTIONS"]
 
-BACKWARD_ACTIONS = ("backward", "input_grad", "weight_grad")
-ACTIONS = ("forward",) + BACKWARD_ACTIONS
+#: What a pipeline step does to one (stage, microbatch): its forward, its whole backward, or the
+#: two halves of a split backward (zero-bubble schedules).
+Action = Literal["forward", "backward", "input_grad", "weight_grad"]
+ACTIONS: tuple[Action, ...] = typing.get_args(Action)
+BACKWARD_ACTIONS: tuple[Action, ...] = ACTIONS[1:]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,17 @@
-"""Pipeline-scheduler integrations: feed ``TensorCache.set_stage`` hints from the scheduler.
+"""Integrations: pipeline schedulers that feed ``TensorCache.set_stage`` hints, and trainer
+callbacks.
 
-Each engine module has ``patch()`` / ``unpatch()`` (idempotent, reversible, per process):
+Each pipeline engine module has ``patch()`` / ``unpatch()`` / ``is_patched()`` (idempotent,
+reversible, per process; one shared skeleton, :mod:`tba.integrations._engine`):
 
 - :mod:`tba.integrations.torch_pipelining`: ``torch.distributed.pipelining`` schedules.
 - :mod:`tba.integrations.megatron`: Megatron-core's ``forward_backward_*`` schedules.
 - :mod:`tba.integrations.deepspeed`: DeepSpeed's ``PipelineEngine``.
+
+Trainer callbacks, which configure a cache when training starts and close it when it ends:
+
+- :mod:`tba.integrations.hf`: ``TensorCacheCallback`` for ``transformers.Trainer`` (``[hf]``).
+- :mod:`tba.integrations.lightning`: ``TensorCacheCallback`` for Lightning (``[lightning]``).
 
 :mod:`tba.integrations.registry` maps each module to its cache; ``configure_tensor_cache``
 registers there, so a patched scheduler finds the cache of the stage it runs.

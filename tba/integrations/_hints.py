@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
+
+from tba.cache.stages import Action
 
 __all__ = ["Action", "Step", "Plan", "announce"]
 
 logger = logging.getLogger(__name__)
-
-Action = Literal["forward", "backward", "input_grad", "weight_grad"]
 
 
 class Step(NamedTuple):

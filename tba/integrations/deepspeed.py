@@ -29,31 +29,17 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
 from tba.integrations import registry
+from tba.integrations._engine import Engine, wrapper
 from tba.integrations._hints import Plan, Step, announce
-from tba.integrations._patching import (
-    PatchSet,
-    VersionRange,
-    installed_version,
-    require_attr,
-    require_params,
-    warn_if_untested,
-)
+from tba.integrations._patching import VersionRange
 
 __all__ = ["patch", "unpatch", "is_patched", "TESTED_VERSIONS"]
 
 logger = logging.getLogger(__name__)
-
-_ENGINE = "deepspeed"
-#: DeepSpeed versions this integration was run against (CPU accelerator, gloo).
-TESTED_VERSIONS = VersionRange("0.19.8", "0.20")
-
-_patches = PatchSet(_ENGINE)
-_runs: list[_Run] = []
 
 _INSTRUCTIONS = (
     "ForwardPass",
@@ -69,56 +55,69 @@ _INSTRUCTIONS = (
 )
 
 
-def is_patched() -> bool:
-    return _patches.active
-
-
 def _check(version: str) -> tuple[Any, Any]:
     from deepspeed.runtime.pipe import engine, schedule
 
-    pipeline_engine = require_attr(engine, "PipelineEngine", _ENGINE, version, TESTED_VERSIONS)
-    instruction_map = require_attr(
-        pipeline_engine, "_INSTRUCTION_MAP", _ENGINE, version, TESTED_VERSIONS
-    )
-    require_params(
-        require_attr(pipeline_engine, "_exec_schedule", _ENGINE, version, TESTED_VERSIONS),
+    need, params = ENGINE.require_attr, ENGINE.require_params
+    pipeline_engine = need(engine, "PipelineEngine", version)
+    instruction_map = need(pipeline_engine, "_INSTRUCTION_MAP", version)
+    params(
+        need(pipeline_engine, "_exec_schedule", version),
         ["pipe_schedule"],
-        _ENGINE,
         version,
-        TESTED_VERSIONS,
         positional_prefix=["self", "pipe_schedule"],
     )
     for name in _INSTRUCTIONS:
-        cls = require_attr(schedule, name, _ENGINE, version, TESTED_VERSIONS)
+        cls = need(schedule, name, version)
         if not isinstance(instruction_map, dict) or cls not in instruction_map:
-            raise _missing_instruction(version, name)
+            raise ENGINE.mismatch(version, f"PipelineEngine._INSTRUCTION_MAP has no {name}")
     for name in ("ForwardPass", "BackwardPass"):
-        require_params(
-            instruction_map[getattr(schedule, name)],
-            ["buffer_id"],
-            _ENGINE,
-            version,
-            TESTED_VERSIONS,
-        )
-    train = require_attr(schedule, "TrainSchedule", _ENGINE, version, TESTED_VERSIONS)
-    require_params(
-        require_attr(train, "_step_to_micro_batch", _ENGINE, version, TESTED_VERSIONS),
-        ["step_id"],
-        _ENGINE,
-        version,
-        TESTED_VERSIONS,
-    )
+        params(instruction_map[getattr(schedule, name)], ["buffer_id"], version)
+    train = need(schedule, "TrainSchedule", version)
+    params(need(train, "_step_to_micro_batch", version), ["step_id"], version)
     for name in ("InferenceSchedule", "DataParallelSchedule", "PipeSchedule"):
-        require_attr(schedule, name, _ENGINE, version, TESTED_VERSIONS)
+        need(schedule, name, version)
     return pipeline_engine, schedule
 
 
-def _missing_instruction(version: str, name: str) -> Exception:
-    from tba.integrations._patching import _mismatch
+def _install(targets: tuple[Any, Any]) -> None:
+    pipeline_engine, schedule = targets
+    try:  # Engines that copy the map at import (DualPipeV) must copy the originals.
+        import deepspeed.runtime.pipe.dualpipev  # noqa: F401
+    except ImportError:
+        pass
+    instruction_map = pipeline_engine._INSTRUCTION_MAP
+    for cls in list(instruction_map):
+        ENGINE.patches.replace_item(
+            instruction_map, cls, _wrap_instruction(cls, instruction_map[cls], schedule)
+        )
 
-    return _mismatch(
-        _ENGINE, version, TESTED_VERSIONS, f"PipelineEngine._INSTRUCTION_MAP has no {name}"
+    def make_run(engine: Any, pipe_schedule: Any, *args: Any, **kwargs: Any) -> _Run | None:
+        if type(engine)._INSTRUCTION_MAP is not pipeline_engine._INSTRUCTION_MAP:
+            return None  # its own instruction map (DualPipeVEngine): not hinted
+        return _Run(engine, pipe_schedule)
+
+    ENGINE.patches.replace_attr(
+        pipeline_engine,
+        "_exec_schedule",
+        ENGINE.record_runs(pipeline_engine._exec_schedule, make_run),
     )
+
+
+#: DeepSpeed versions this integration was run against (CPU accelerator, gloo).
+TESTED_VERSIONS = VersionRange("0.19.8", "0.20")
+ENGINE = Engine(
+    "deepspeed",
+    TESTED_VERSIONS,
+    module="deepspeed",
+    distribution="deepspeed",
+    check=_check,
+    install=_install,
+)
+
+
+def is_patched() -> bool:
+    return ENGINE.is_patched()
 
 
 def patch() -> None:
@@ -128,35 +127,12 @@ def patch() -> None:
         IntegrationVersionError: DeepSpeed's pipeline engine differs from the checked one.
         ImportError: DeepSpeed is not installed (``pip install 'tba[integrations]'``).
     """
-    if _patches.active:
-        return
-    try:
-        import deepspeed
-    except ImportError as exc:
-        raise ImportError(
-            "tba.integrations.deepspeed needs deepspeed: pip install 'tba[integrations]'"
-        ) from exc
-    version = installed_version("deepspeed", deepspeed)
-    pipeline_engine, schedule = _check(version)
-    warn_if_untested(_ENGINE, version, TESTED_VERSIONS)
-    try:  # Engines that copy the map at import (DualPipeV) must copy the originals.
-        import deepspeed.runtime.pipe.dualpipev  # noqa: F401
-    except ImportError:
-        pass
-    instruction_map = pipeline_engine._INSTRUCTION_MAP
-    for cls in list(instruction_map):
-        _patches.replace_item(
-            instruction_map, cls, _wrap_instruction(cls, instruction_map[cls], schedule)
-        )
-    _patches.replace_attr(
-        pipeline_engine, "_exec_schedule", _wrap_exec_schedule(pipeline_engine._exec_schedule)
-    )
+    ENGINE.patch()
 
 
 def unpatch() -> None:
     """Restore ``_exec_schedule`` and the instruction map. Idempotent."""
-    _patches.restore()
-    _runs.clear()
+    ENGINE.unpatch()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,32 +228,12 @@ def _microbatch_function(schedule: Any, pipe_schedule: Any) -> Any:
     return None
 
 
-def _wrap_exec_schedule(original: Any) -> Any:
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    @functools.wraps(original)
-    def _exec_schedule(self: Any, pipe_schedule: Any, *args: Any, **kwargs: Any) -> Any:
-        if type(self)._INSTRUCTION_MAP is not PipelineEngine._INSTRUCTION_MAP:
-            return original(self, pipe_schedule, *args, **kwargs)  # e.g. DualPipeVEngine
-        run = _Run(self, pipe_schedule)
-        _runs.append(run)
-        try:
-            return original(self, pipe_schedule, *args, **kwargs)
-        finally:
-            _runs.remove(run)
-
-    _exec_schedule.__tba_original__ = original  # type: ignore[attr-defined]
-    return _exec_schedule
-
-
 def _wrap_instruction(cls: type, original: Any, schedule: Any) -> Any:
-    @functools.wraps(original)
+    @wrapper(original)
     def instruction(self: Any, **kwargs: Any) -> Any:
-        for run in reversed(_runs):
-            if run.engine is self:
-                run.before(cls, kwargs, schedule)
-                break
+        run = ENGINE.current_run(lambda r: r.engine is self)
+        if run is not None:
+            run.before(cls, kwargs, schedule)
         return original(self, **kwargs)
 
-    instruction.__tba_original__ = original  # type: ignore[attr-defined]
     return instruction

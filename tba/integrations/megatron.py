@@ -32,32 +32,19 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from typing import Any
 
 from tba.integrations import registry
+from tba.integrations._engine import Engine, wrapper
 from tba.integrations._hints import Plan, Step
-from tba.integrations._patching import (
-    PatchSet,
-    VersionRange,
-    installed_version,
-    require_attr,
-    require_params,
-    warn_if_untested,
-)
+from tba.integrations._patching import VersionRange
 
 __all__ = ["patch", "unpatch", "is_patched", "TESTED_VERSIONS"]
 
 logger = logging.getLogger(__name__)
 
-_ENGINE = "megatron"
-#: megatron-core versions this integration was run against (CPU, gloo, with a cuda shim).
-TESTED_VERSIONS = VersionRange("0.16.1", "0.17")
-
-_patches = PatchSet(_ENGINE)
-_runs: list[_Run] = []
 _signatures: dict[str, inspect.Signature] = {}
 
 _SCHEDULE_FUNCTIONS = (
@@ -67,16 +54,12 @@ _SCHEDULE_FUNCTIONS = (
 )
 
 
-def is_patched() -> bool:
-    return _patches.active
-
-
 def _check(version: str) -> Any:
     from megatron.core.pipeline_parallel import schedules
 
     def need(name: str, params: list[str], prefix: list[str] | None = None) -> Any:
-        func = require_attr(schedules, name, _ENGINE, version, TESTED_VERSIONS)
-        require_params(func, params, _ENGINE, version, TESTED_VERSIONS, positional_prefix=prefix)
+        func = ENGINE.require_attr(schedules, name, version)
+        ENGINE.require_params(func, params, version, positional_prefix=prefix)
         return func
 
     need(
@@ -122,6 +105,33 @@ def _check(version: str) -> Any:
     return schedules
 
 
+def _install(schedules: Any) -> None:
+    _signatures["forward_step"] = inspect.signature(schedules.forward_step)
+    _signatures["backward_step"] = inspect.signature(schedules.backward_step)
+    patches = ENGINE.patches
+    patches.replace_attr(schedules, "forward_step", _wrap_forward_step(schedules.forward_step))
+    patches.replace_attr(schedules, "backward_step", _wrap_backward_step(schedules.backward_step))
+    for name in _SCHEDULE_FUNCTIONS:
+        wrapped = ENGINE.record_runs(getattr(schedules, name), _run_maker(name))
+        patches.replace_attr(schedules, name, wrapped)
+
+
+#: megatron-core versions this integration was run against (CPU, gloo, with a cuda shim).
+TESTED_VERSIONS = VersionRange("0.16.1", "0.17")
+ENGINE = Engine(
+    "megatron",
+    TESTED_VERSIONS,
+    module="megatron.core",
+    distribution="megatron-core",
+    check=_check,
+    install=_install,
+)
+
+
+def is_patched() -> bool:
+    return ENGINE.is_patched()
+
+
 def patch() -> None:
     """Install the hint wrappers. Idempotent; undone by :func:`unpatch`.
 
@@ -129,29 +139,12 @@ def patch() -> None:
         IntegrationVersionError: megatron-core's schedules differ from the checked ones.
         ImportError: megatron-core is not installed (``pip install 'tba[integrations]'``).
     """
-    if _patches.active:
-        return
-    try:
-        import megatron.core
-    except ImportError as exc:
-        raise ImportError(
-            "tba.integrations.megatron needs megatron-core: pip install 'tba[integrations]'"
-        ) from exc
-    version = installed_version("megatron-core", megatron.core)
-    schedules = _check(version)
-    warn_if_untested(_ENGINE, version, TESTED_VERSIONS)
-    _signatures["forward_step"] = inspect.signature(schedules.forward_step)
-    _signatures["backward_step"] = inspect.signature(schedules.backward_step)
-    _patches.replace_attr(schedules, "forward_step", _wrap_forward_step(schedules.forward_step))
-    _patches.replace_attr(schedules, "backward_step", _wrap_backward_step(schedules.backward_step))
-    for name in _SCHEDULE_FUNCTIONS:
-        _patches.replace_attr(schedules, name, _wrap_schedule(name, getattr(schedules, name)))
+    ENGINE.patch()
 
 
 def unpatch() -> None:
     """Restore the original functions. Idempotent."""
-    _patches.restore()
-    _runs.clear()
+    ENGINE.unpatch()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,26 +256,19 @@ def _config_of(model: Any) -> Any:
     return getattr(model, "config", None)
 
 
-def _wrap_schedule(name: str, original: Any) -> Any:
-    @functools.wraps(original)
-    def forward_backward(*args: Any, **kwargs: Any) -> Any:
-        run = _Run(name, kwargs)
-        _runs.append(run)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _runs.remove(run)
+def _run_maker(kind: str) -> Any:
+    def make_run(*args: Any, **kwargs: Any) -> _Run:
+        return _Run(kind, kwargs)
 
-    forward_backward.__tba_original__ = original  # type: ignore[attr-defined]
-    return forward_backward
+    return make_run
 
 
 def _wrap_forward_step(original: Any) -> Any:
     signature = _signatures["forward_step"]
 
-    @functools.wraps(original)
+    @wrapper(original)
     def forward_step(*args: Any, **kwargs: Any) -> Any:
-        run = _runs[-1] if _runs else None
+        run = ENGINE.current_run()
         if run is None:
             return original(*args, **kwargs)
         bound = signature.bind_partial(*args, **kwargs).arguments
@@ -301,16 +287,15 @@ def _wrap_forward_step(original: Any) -> Any:
             run.pending[id(output)] = (output, step)
         return result
 
-    forward_step.__tba_original__ = original  # type: ignore[attr-defined]
     return forward_step
 
 
 def _wrap_backward_step(original: Any) -> Any:
     signature = _signatures["backward_step"]
 
-    @functools.wraps(original)
+    @wrapper(original)
     def backward_step(*args: Any, **kwargs: Any) -> Any:
-        run = _runs[-1] if _runs else None
+        run = ENGINE.current_run()
         if run is not None:
             output = signature.bind_partial(*args, **kwargs).arguments.get("output_tensor")
             entry = run.pending.pop(id(output), None)
@@ -321,5 +306,4 @@ def _wrap_backward_step(original: Any) -> Any:
                 logger.debug("tba.integrations.megatron: backward_step for an unknown output")
         return original(*args, **kwargs)
 
-    backward_step.__tba_original__ = original  # type: ignore[attr-defined]
     return backward_step

@@ -22,35 +22,28 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
-
+from tba.cache.stages import Action
 from tba.integrations import registry
-from tba.integrations._hints import Action, Plan, Step, announce
-from tba.integrations._patching import (
-    PatchSet,
-    VersionRange,
-    require_attr,
-    require_params,
-    warn_if_untested,
-)
+from tba.integrations._engine import Engine, wrapper
+from tba.integrations._hints import Plan, Step, announce
+from tba.integrations._patching import VersionRange
 
-__all__ = ["patch", "unpatch", "is_patched", "TESTED_VERSIONS", "plan_for"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "is_patched",
+    "TESTED_VERSIONS",
+    "plan_for",
+    "ACTION_OF_COMPUTATION_TYPE",
+]
 
 logger = logging.getLogger(__name__)
 
-_ENGINE = "torch_pipelining"
-#: torch versions this integration was run against (CPU, gloo).
-TESTED_VERSIONS = VersionRange("2.13", "2.14")
-
-_patches = PatchSet(_ENGINE)
-# Schedule runs in progress in this process (innermost last).
-_runs: list[tuple[Any, Plan]] = []
-
-_ACTION_OF_TYPE: dict[str, Action] = {
+#: The action each of torch's ``_ComputationType`` letters stands for (compute actions only).
+ACTION_OF_COMPUTATION_TYPE: dict[str, Action] = {
     "F": "forward",
     "B": "backward",
     "I": "input_grad",
@@ -58,46 +51,64 @@ _ACTION_OF_TYPE: dict[str, Action] = {
 }
 
 
-def is_patched() -> bool:
-    return _patches.active
-
-
 def _check(version: str) -> tuple[Any, Any, Any]:
     from torch.distributed.pipelining import schedules, stage
 
-    base = require_attr(stage, "_PipelineStageBase", _ENGINE, version, TESTED_VERSIONS)
-    require_params(
-        require_attr(base, "forward_one_chunk", _ENGINE, version, TESTED_VERSIONS),
+    need, params = ENGINE.require_attr, ENGINE.require_params
+    base = need(stage, "_PipelineStageBase", version)
+    params(
+        need(base, "forward_one_chunk", version),
         ["fwd_chunk_id", "args", "kwargs"],
-        _ENGINE,
         version,
-        TESTED_VERSIONS,
         positional_prefix=["self", "fwd_chunk_id"],
     )
-    require_params(
-        require_attr(base, "backward_one_chunk", _ENGINE, version, TESTED_VERSIONS),
+    params(
+        need(base, "backward_one_chunk", version),
         ["bwd_chunk_id", "loss", "full_backward", "last_backward"],
-        _ENGINE,
         version,
-        TESTED_VERSIONS,
         positional_prefix=["self", "bwd_chunk_id", "loss", "full_backward"],
     )
-    require_params(
-        require_attr(base, "backward_weight_one_chunk", _ENGINE, version, TESTED_VERSIONS),
+    params(
+        need(base, "backward_weight_one_chunk", version),
         ["bwd_chunk_id"],
-        _ENGINE,
         version,
-        TESTED_VERSIONS,
         positional_prefix=["self", "bwd_chunk_id"],
     )
     for cls_name in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
-        cls = require_attr(schedules, cls_name, _ENGINE, version, TESTED_VERSIONS)
-        require_attr(cls, "step", _ENGINE, version, TESTED_VERSIONS)
-    require_attr(schedules, "_Action", _ENGINE, version, TESTED_VERSIONS)
-    require_attr(schedules, "_ComputationType", _ENGINE, version, TESTED_VERSIONS)
+        need(need(schedules, cls_name, version), "step", version)
+    need(schedules, "_Action", version)
+    need(schedules, "_ComputationType", version)
     for member in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "OVERLAP_F_B"):
-        require_attr(schedules._ComputationType, member, _ENGINE, version, TESTED_VERSIONS)
+        need(schedules._ComputationType, member, version)
     return base, schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti
+
+
+def _install(targets: tuple[Any, Any, Any]) -> None:
+    base, single, multi = targets
+    patches = ENGINE.patches
+    patches.replace_attr(base, "forward_one_chunk", _wrap_forward(base.forward_one_chunk))
+    patches.replace_attr(base, "backward_one_chunk", _wrap_backward(base.backward_one_chunk))
+    patches.replace_attr(
+        base, "backward_weight_one_chunk", _wrap_weight(base.backward_weight_one_chunk)
+    )
+    for cls in (single, multi):
+        patches.replace_attr(cls, "step", ENGINE.record_runs(cls.step, _Run.of_schedule))
+
+
+#: torch versions this integration was run against (CPU, gloo).
+TESTED_VERSIONS = VersionRange("2.13", "2.14")
+ENGINE = Engine(
+    "torch_pipelining",
+    TESTED_VERSIONS,
+    module="torch.distributed.pipelining",
+    distribution="torch",
+    check=_check,
+    install=_install,
+)
+
+
+def is_patched() -> bool:
+    return ENGINE.is_patched()
 
 
 def patch() -> None:
@@ -106,24 +117,12 @@ def patch() -> None:
     Raises:
         IntegrationVersionError: torch's pipelining internals differ from the checked ones.
     """
-    if _patches.active:
-        return
-    version = torch.__version__
-    base, single, multi = _check(version)
-    warn_if_untested(_ENGINE, version, TESTED_VERSIONS)
-    _patches.replace_attr(base, "forward_one_chunk", _wrap_forward(base.forward_one_chunk))
-    _patches.replace_attr(base, "backward_one_chunk", _wrap_backward(base.backward_one_chunk))
-    _patches.replace_attr(
-        base, "backward_weight_one_chunk", _wrap_weight(base.backward_weight_one_chunk)
-    )
-    _patches.replace_attr(single, "step", _wrap_step(single.step))
-    _patches.replace_attr(multi, "step", _wrap_step(multi.step))
+    ENGINE.patch()
 
 
 def unpatch() -> None:
     """Restore the original methods. Idempotent."""
-    _patches.restore()
-    _runs.clear()
+    ENGINE.unpatch()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +197,7 @@ def plan_for(schedule: Any) -> list[Step]:
             for sub in action.sub_actions:
                 add(sub)
             return
-        kind = _ACTION_OF_TYPE.get(action.computation_type.value)
+        kind = ACTION_OF_COMPUTATION_TYPE.get(action.computation_type.value)
         if kind is None or action.microbatch_index is None:
             return  # communication, unshard, reduce-grad
         if kind != "forward" and not has_backward:
@@ -210,21 +209,26 @@ def plan_for(schedule: Any) -> list[Step]:
     return steps
 
 
-def _make_plan(schedule: Any) -> Plan:
-    by_index = {s.stage_index: s for s in _schedule_stages(schedule)}
+class _Run(NamedTuple):
+    """One ``schedule.step()`` in progress and this rank's plan for it."""
 
-    def cache_of_stage(stage_index: int) -> Any:
-        stage = by_index.get(stage_index)
-        return None if stage is None else registry.lookup(stage.submod)
+    schedule: Any
+    plan: Plan
 
-    return Plan(plan_for(schedule), cache_of_stage)
+    @classmethod
+    def of_schedule(cls, schedule: Any, *args: Any, **kwargs: Any) -> _Run:
+        by_index = {s.stage_index: s for s in _schedule_stages(schedule)}
+
+        def cache_of_stage(stage_index: int) -> Any:
+            stage = by_index.get(stage_index)
+            return None if stage is None else registry.lookup(stage.submod)
+
+        return cls(schedule, Plan(plan_for(schedule), cache_of_stage))
 
 
 def _plan_of(stage: Any) -> Plan | None:
-    for schedule, plan in reversed(_runs):
-        if any(s is stage for s in _schedule_stages(schedule)):
-            return plan
-    return None
+    run = ENGINE.current_run(lambda r: any(s is stage for s in _schedule_stages(r.schedule)))
+    return None if run is None else run.plan
 
 
 def _announce(stage: Any, microbatch: int, action: Action) -> None:
@@ -245,47 +249,30 @@ def _announce(stage: Any, microbatch: int, action: Action) -> None:
 # Wrappers
 
 
-def _wrap_step(original: Any) -> Any:
-    @functools.wraps(original)
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        entry = (self, _make_plan(self))
-        _runs.append(entry)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _runs.remove(entry)
-
-    step.__tba_original__ = original  # type: ignore[attr-defined]
-    return step
-
-
 def _wrap_forward(original: Any) -> Any:
-    @functools.wraps(original)
+    @wrapper(original)
     def forward_one_chunk(self: Any, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         _announce(self, fwd_chunk_id, "forward")
         return original(self, fwd_chunk_id, *args, **kwargs)
 
-    forward_one_chunk.__tba_original__ = original  # type: ignore[attr-defined]
     return forward_one_chunk
 
 
 def _wrap_backward(original: Any) -> Any:
-    @functools.wraps(original)
+    @wrapper(original)
     def backward_one_chunk(self: Any, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         # (loss, full_backward, last_backward) follow bwd_chunk_id, checked in _check().
         full_backward = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
         _announce(self, bwd_chunk_id, "backward" if full_backward else "input_grad")
         return original(self, bwd_chunk_id, *args, **kwargs)
 
-    backward_one_chunk.__tba_original__ = original  # type: ignore[attr-defined]
     return backward_one_chunk
 
 
 def _wrap_weight(original: Any) -> Any:
-    @functools.wraps(original)
+    @wrapper(original)
     def backward_weight_one_chunk(self: Any, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         _announce(self, bwd_chunk_id, "weight_grad")
         return original(self, bwd_chunk_id, *args, **kwargs)
 
-    backward_weight_one_chunk.__tba_original__ = original  # type: ignore[attr-defined]
     return backward_weight_one_chunk

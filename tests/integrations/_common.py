@@ -164,3 +164,24 @@ def check_real_cache(got: dict[str, Any]) -> None:
         assert stats["num_sync_loads"] == 0, (
             f"stage {stage}: backward loaded synchronously: {stats}"
         )
+
+
+def record_stores(cache: Any) -> list[int]:
+    """Wrap ``cache``'s offloader so every store records the data pointer it reads from (to
+    check that no parameter storage is ever written out)."""
+    ptrs: list[int] = []
+    original = cache.offloader.store
+
+    def store(src: torch.Tensor) -> Any:
+        ptrs.append(src.data_ptr())
+        return original(src)
+
+    cache.offloader.store = store
+    return ptrs
+
+
+def parameter_storages(model: torch.nn.Module) -> set[int]:
+    """Data pointers of the storages holding ``model``'s parameters on this rank."""
+    return {
+        getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()
+    }

@@ -58,9 +58,11 @@ def stage_module(stage_index: int) -> nn.Module:
 
 
 def expected_order(schedule: Any, rank: int) -> list[tuple[int, int, str]]:
-    """The schedule's own per-rank order, compute actions only (independent of tba)."""
+    """The schedule's own per-rank order, compute actions only (independent of tba's plan;
+    only the action names are tba's)."""
+    from tba.integrations.torch_pipelining import ACTION_OF_COMPUTATION_TYPE as names
+
     order = getattr(schedule, "pipeline_order_with_comms", None) or schedule.pipeline_order
-    names = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad"}
     out: list[tuple[int, int, str]] = []
 
     def visit(action: Any) -> None:
