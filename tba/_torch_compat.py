@@ -10,7 +10,7 @@ import torch
 
 __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
-    "is_functorch_wrapped", "in_functorch_transform", "STAMP_ATTR",
+    "is_functorch_wrapped", "in_functorch_transform", "STAMP_ATTR", "FAMILY_ATTR",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -19,6 +19,9 @@ __all__ = [
 # That gives storages a collision-free identity: a raw data pointer or `id()` is reused once
 # the storage dies (TBA_NOTES section 4, bugs 1 and 2). Tested in tests/cache/test_ids.py.
 STAMP_ATTR = "_tba_stamp"
+# The same for the root tensor of a view family (torch preserves a tensor's Python object as
+# long as its TensorImpl lives): Note [Version-counter families] in tba/cache/table.py.
+FAMILY_ATTR = "_tba_family"
 
 
 def in_backward() -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -37,29 +36,34 @@ class Entry:
     """
 
     __slots__ = (
-        "stamp", "root", "version", "alias", "modified", "device", "nbytes", "data", "state",
-        "token", "refs", "event", "load_event", "load_done", "error", "wanted", "offload",
-        "where",
+        "stamp", "family", "version", "alias", "geometry", "reloaded", "modified", "device",
+        "nbytes", "data", "state", "token", "refs", "event", "load_event", "load_done", "error",
+        "wanted", "offload", "scope",
     )
 
     def __init__(
         self,
         stamp: int,
-        root: weakref.ref,
+        family: int,
         tensor: torch.Tensor,
         data: torch.UntypedStorage,
+        nbytes: int,
         offload: bool,
-        where: str,
+        scope: Any,
     ) -> None:
         self.stamp = stamp
-        self.root = root  # weak reference to the family's root tensor (the base of views)
+        self.family = family  # stamp of the family's root tensor (Note [Version-counter families])
         self.version = tensor._version
         # A detached alias shares the family's version counter: it lets the check at unpack see
-        # every in-place write of the family, also after the saved tensor object died.
+        # every in-place write of the family, also after the saved tensor object died. While
+        # the entry holds its original storage it is also what unpack hands back to the first
+        # saver (no new view).
         self.alias: torch.Tensor | None = tensor.detach()
+        self.geometry: tuple | None = None  # the alias's (dtype, size, stride, offset), once released
+        self.reloaded = False  # ``data`` is a reloaded copy, not the original storage
         self.modified = False  # the family was written between pack and the end of the store
         self.device = data.device
-        self.nbytes = data.nbytes()
+        self.nbytes = nbytes
         self.data: torch.UntypedStorage | None = data  # the whole storage, while in memory
         self.state = State.KEPT
         self.token: Any = None
@@ -70,39 +74,42 @@ class Entry:
         self.error: BaseException | None = None
         self.wanted = False  # backward is near: keep the bytes in memory once a store finishes
         self.offload = offload
-        self.where = where  # the module that saved it first, for error messages
+        self.scope = scope  # the scope that saved it first, for error messages
 
-    def current_version(self) -> int | None:
-        """The family's version now, or None when no tensor of the family is reachable."""
-        alias = self.alias
-        if alias is not None:
-            return alias._version
-        root = self.root()
-        return None if root is None else root._version
+    def remember_geometry(self) -> tuple:
+        """The first saver's (dtype, size, stride, offset), read from the alias (kept after the
+        alias lets go of the storage)."""
+        geometry = self.geometry
+        if geometry is None:
+            alias = self.alias
+            assert alias is not None, "tba bug: geometry of a dropped entry"
+            geometry = self.geometry = (
+                alias.dtype, alias.size(), alias.stride(), alias.storage_offset()
+            )
+        return geometry
 
 
 class Handle:
     """Returned by the pack hook; autograd holds it instead of the tensor.
 
-    When autograd frees it (the saving node ran, or its graph died) ``release(entry)`` runs: the
-    entry loses a reference and, with none left, is dropped (memory, file space, pool slot).
+    ``geometry`` is the saved tensor's (dtype, size, stride, offset), or None when it is the
+    entry's first saver (then the entry's alias has it). When autograd frees the handle (the
+    saving node ran, or its graph died) ``release(entry)`` runs: the entry loses a reference
+    and, with none left, is dropped (memory, file space, pool slot).
     """
 
-    __slots__ = ("entry", "release", "dtype", "size", "stride", "offset", "scope", "__weakref__")
+    __slots__ = ("entry", "release", "geometry", "scope", "__weakref__")
 
     def __init__(
         self,
         entry: Entry,
         release: Callable[[Entry], None],
-        tensor: torch.Tensor,
+        geometry: tuple | None,
         scope: Any,
     ) -> None:
         self.entry = entry
         self.release = release
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
+        self.geometry = geometry
         self.scope = scope
 
     def __del__(self) -> None:

@@ -63,15 +63,12 @@ class ModuleHook:
         return (_make_inert, ())
 
 
-class _Unmanaged:
-    """A saved tensor tba leaves in memory as it is (parameters, small or foreign tensors),
-    with its version at pack time: Note [Saved-version check] applies to it too."""
+def _is_cuda(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda
 
-    __slots__ = ("tensor", "version")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.version = tensor._version
+def _is_cpu(tensor: torch.Tensor) -> bool:
+    return tensor.is_cpu
 
 
 class _PackedSubclass:
@@ -100,7 +97,9 @@ class _ThreadState(threading.local):
         self.forward = ForwardPass()
 
 
-def modified_error(shape: tuple, dtype: torch.dtype, where: str, expected: int, found: int | None) -> TBAError:
+def modified_error(
+    shape: tuple, dtype: torch.dtype, where: str | None, expected: int, found: int | None
+) -> TBAError:
     """PyTorch's in-place error, raised by tba where autograd no longer checks."""
     found_text = (
         f"is at version {found}" if found is not None
@@ -138,6 +137,14 @@ class CacheHooks:
         self.boundary = boundary
         self._finish_step_ref = finish_step  # a weakref.WeakMethod of the cache's
         self._devices = frozenset(config.offload_devices)
+        # Note: ``tensor.device`` builds a torch.device per call; the common cases use the
+        # tensor's cheap predicates instead.
+        if self._devices == {"cuda"}:
+            self._managed_device = _is_cuda
+        elif self._devices == {"cpu"}:
+            self._managed_device = _is_cpu
+        else:
+            self._managed_device = lambda t, devices=self._devices: t.device.type in devices
         self._offloading = engine.offloader is not None
         self._lock = threading.RLock()  # records, hint, step transitions
         self._local = _ThreadState()
@@ -285,42 +292,47 @@ class CacheHooks:
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, tensor: torch.Tensor) -> Any:
+        # The hot path: every saved tensor of every op comes through here. See
+        # benchmarks/hook_overhead.py before adding work.
         engine = self.engine
         if engine.error is not None:
             engine.raise_pending()
         if type(tensor) is not torch.Tensor:
-            if compat.is_functorch_wrapped(tensor):
-                return self._functorch(tensor)
             if hasattr(tensor, "__tensor_flatten__"):
                 return self._pack_subclass(tensor)
-            return _Unmanaged(tensor)
+            return (tensor, tensor._version)  # unknown subclasses: autograd keeps them
         if (
-            tensor.device.type not in self._devices
-            or tensor.layout is not torch.strided
+            not self._managed_device(tensor)
             or (tensor.requires_grad and tensor.is_leaf)
+            or tensor.layout is not torch.strided
             or tensor.is_conj()
             or tensor.is_neg()
         ):
-            return _Unmanaged(tensor)  # parameters, non-strided tensors: autograd keeps them
-        if compat.is_functorch_wrapped(tensor):
-            return self._functorch(tensor)
+            # Parameters and tensors tba does not manage stay with autograd, with their
+            # version at pack (Note [Saved-version check]).
+            return (tensor, tensor._version)
         base = tensor._base
-        if base is not None and base.requires_grad and base.is_leaf:
-            return _Unmanaged(tensor)  # Note [Parameters are never offloaded]
-        storage = tensor.untyped_storage()
+        if base is None:
+            root = tensor
+        elif base.requires_grad and base.is_leaf:
+            return (tensor, tensor._version)  # Note [Parameters are never offloaded]
+        else:
+            root = base
+        try:
+            storage = tensor.untyped_storage()
+        except NotImplementedError:  # torch.func wrappers (vmap inside a forward)
+            self._functorch_note()
+            return (tensor, tensor._version)
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self._param_ptrs:
-            return _Unmanaged(tensor)
+            return (tensor, tensor._version)
         forward = self._local.forward
         scope = forward.scope()
-        handle, entry, new = self.table.handle(
-            tensor,
-            storage,
-            scope,
+        handle, entry = self.table.handle(
+            tensor, storage, root, scope,
             self._offloading and not scope.keep and forward.skip_depth == 0,
-            scope.unit.name if scope.unit is not None else "",
         )
-        if new:
+        if entry is not None:  # a new entry
             profile = self.steps.profile
             if profile is not None and scope.unit is not None:
                 block = scope.unit.block_index
@@ -329,16 +341,14 @@ class CacheHooks:
             if entry.offload:
                 entry.event = engine.streams.producer_event(tensor.device)
             engine.add(entry)
-        elif scope.keep and entry.offload:
-            engine.keep(entry, storage)
+        else:
+            entry = handle.entry
+            if scope.keep and entry.offload:
+                engine.keep(entry, storage)
         entries = scope.entries
         if not entries or entries[-1] is not entry:
             entries.append(entry)
         return handle
-
-    def _functorch(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._functorch_note()
-        return tensor
 
     def _functorch_note(self) -> None:
         if not self._warned_functorch:
@@ -354,7 +364,7 @@ class CacheHooks:
         tensors that stay in memory come back as the very same objects (a jagged tensor's
         offsets identify its ragged dimension: they are never replaced)."""
         if tensor.requires_grad and tensor.is_leaf:
-            return _Unmanaged(tensor)  # a parameter
+            return (tensor, tensor._version)  # a parameter
         names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         nested = type(tensor).__name__ == _NESTED_TYPE_NAME
         inner: dict[str, Any] = {}
@@ -366,24 +376,22 @@ class CacheHooks:
             packed = self._pack(value)
             if type(packed) is Handle and not packed.entry.offload:
                 packed = value  # kept anyway: hand back the object itself
-            elif type(packed) is _Unmanaged:
+            elif type(packed) is tuple:
                 packed = value
             inner[name] = packed
         if not any(type(p) in (Handle, _PackedSubclass) for p in inner.values()):
-            return _Unmanaged(tensor)
+            return (tensor, tensor._version)
         return _PackedSubclass(type(tensor), inner, context, tensor.size(), tensor.stride())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         cls = type(packed)
-        if cls is _Unmanaged:
-            tensor = packed.tensor
-            if tensor._version != packed.version:
-                raise modified_error(
-                    tuple(tensor.shape), tensor.dtype, "", packed.version, tensor._version
-                )
+        if cls is tuple:
+            tensor, version = packed
+            if tensor._version != version:
+                raise modified_error(tuple(tensor.shape), tensor.dtype, None, version, tensor._version)
             return tensor
         if cls is _PackedSubclass:
-            inner = {name: self._unpack(p) if type(p) in (Handle, _PackedSubclass) else p
+            inner = {name: self._unpack(p) if type(p) in (Handle, _PackedSubclass, tuple) else p
                      for name, p in packed.inner.items()}
             return packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
         if cls is not Handle:
@@ -397,20 +405,34 @@ class CacheHooks:
                 "close the cache only after the last backward"
             )
         entry = packed.entry
-        current = entry.current_version()
-        if entry.modified or (current is not None and current != entry.version):
-            raise modified_error(
-                tuple(packed.size), packed.dtype, entry.where, entry.version,
-                None if entry.modified and current == entry.version else current,
-            )
+        alias = entry.alias
+        if entry.modified or alias is None or alias._version != entry.version:
+            self._raise_modified(packed)
         scope = packed.scope
         if not scope.backward_entered:
             self._backward_signal(scope)
         storage, event = engine.fetch(entry)
-        tensor = compat.view_on_storage(storage, packed.dtype, packed.size, packed.stride, packed.offset)
+        geometry = packed.geometry
+        if geometry is None:
+            if not entry.reloaded and entry.geometry is None:
+                return alias  # the first saver, never offloaded: the tensor as it was saved
+            geometry = entry.remember_geometry()
+        dtype, size, stride, offset = geometry
+        tensor = compat.view_on_storage(storage, dtype, size, stride, offset)
         if event is not None:
             engine.streams.consume(event, tensor)
         return tensor
+
+    def _raise_modified(self, packed: Handle) -> None:
+        entry = packed.entry
+        dtype, size, _, _ = packed.geometry or entry.remember_geometry()
+        alias = entry.alias
+        found = None if alias is None else alias._version
+        if entry.modified and found == entry.version:
+            found = None
+        unit = packed.scope.unit
+        raise modified_error(tuple(size), dtype, unit.name if unit is not None else None,
+                             entry.version, found)
 
     # ------------------------------------------------------------------ backward and prefetch
     def _backward_signal(self, scope: Scope, *unused: Any) -> None:

@@ -8,8 +8,8 @@ the chunks in place. Two such tensors can be saved at the same version number af
 changed. An entry snapshots the whole storage when its store runs, so sharing one entry between
 them hands backward stale bytes. Two saves therefore share an entry only when plain PyTorch
 would hand backward the same bytes for both: the same storage (stamp, Note [Storage stamps]),
-the same family (the root tensor of the view family: ``t._base`` or ``t`` itself) and the same
-version. A save of a storage already held under another family gets an entry of its own
+the same family (the root tensor of the view family, ``t._base`` or ``t`` itself, stamped like
+storages: the stamp lives and dies with the root's Python object) and the same version. A save of a storage already held under another family gets an entry of its own
 (written again: correctness first) and is counted in ``CacheStats.num_family_entries``.
 ``detach()`` aliases are treated as families of their own (conservative: at worst a second
 write).
@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 from collections.abc import Callable
 
 import torch
 
-from tba import _torch_compat as compat
+from tba._torch_compat import FAMILY_ATTR, STAMP_ATTR
 from tba.cache.entries import Entry, Handle
 
 __all__ = ["EntryTable"]
@@ -64,7 +63,7 @@ class EntryTable:
         on_drop: Callable[[Entry], None],
         on_empty: Callable[[], None],
     ) -> None:
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self._by_stamp: dict[int, list[Entry]] = {}
         self._min_offload_bytes = min_offload_bytes
         self._on_drop = on_drop
@@ -79,63 +78,66 @@ class EntryTable:
         self,
         tensor: torch.Tensor,
         storage: torch.UntypedStorage,
+        root: torch.Tensor,
         scope: object,
         offload: bool,
-        where: str,
-    ) -> tuple[Handle, Entry, bool]:
-        """A handle for ``tensor`` (a plain strided tensor on ``storage``): an existing entry
-        of the same storage, family and version, or a new one, offloaded if ``offload`` and
-        the storage is at least ``min_offload_bytes``. Returns (handle, entry, is_new); the
-        caller hands a new entry to the transfer engine (refs are counted already, so it
-        cannot be dropped meanwhile)."""
-        stamp = getattr(storage, compat.STAMP_ATTR, None)
+    ) -> tuple[Handle, Entry | None]:
+        """A handle for ``tensor`` (a plain strided tensor on ``storage``, ``root`` the base of
+        its view family): an existing entry of the same storage, family and version, or a new
+        one, offloaded if ``offload`` and the storage is at least ``min_offload_bytes``.
+        Returns (handle, the entry if it is new); the caller hands a new entry to the transfer
+        engine (its reference is counted already, so it cannot be dropped meanwhile)."""
+        stamp = getattr(storage, STAMP_ATTR, None)
         if stamp is None:
             stamp = next(_STAMPS)
-            setattr(storage, compat.STAMP_ATTR, stamp)
-        base = tensor._base
-        root = tensor if base is None else base
+            setattr(storage, STAMP_ATTR, stamp)
+        family = getattr(root, FAMILY_ATTR, None)
+        if family is None:
+            family = next(_STAMPS)
+            setattr(root, FAMILY_ATTR, family)
         version = tensor._version
         with self.lock:
-            same = self._by_stamp.get(stamp)
-            entry = None
-            if same is not None:
-                for candidate in same:
-                    if candidate.version == version and candidate.root() is root:
-                        entry = candidate
-                        break
-            new = entry is None
-            if new:
-                if same is None:
-                    same = self._by_stamp[stamp] = []
-                elif any(c.root() is not root for c in same):
-                    self.num_family_entries += 1
-                nbytes = storage.nbytes()
-                entry = Entry(
-                    stamp, weakref.ref(root), tensor, storage,
-                    offload and nbytes >= self._min_offload_bytes, where,
-                )
-                same.append(entry)
-                self.num_entries += 1
-            else:
-                self.num_deduplicated += 1
             self.num_packed += 1
-            entry.refs += 1
-        return Handle(entry, self.release, tensor, scope), entry, new
+            same = self._by_stamp.get(stamp)
+            if same is not None:
+                for entry in same:
+                    if entry.family == family and entry.version == version:
+                        self.num_deduplicated += 1
+                        entry.refs += 1
+                        break
+                else:
+                    entry = None
+                if entry is not None:
+                    geometry = (
+                        tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+                    )
+                    return Handle(entry, self.release, geometry, scope), None
+                if any(e.family != family for e in same):
+                    self.num_family_entries += 1
+            else:
+                same = self._by_stamp[stamp] = []
+            nbytes = storage.nbytes()
+            entry = Entry(
+                stamp, family, tensor, storage, nbytes,
+                offload and nbytes >= self._min_offload_bytes, scope,
+            )
+            entry.refs = 1
+            same.append(entry)
+            self.num_entries += 1
+        return Handle(entry, self.release, None, scope), entry
 
     def release(self, entry: Entry) -> None:
         """One handle of ``entry`` died (``Handle.__del__``)."""
         with self.lock:
-            if self.closed:
-                return
             entry.refs -= 1
-            if entry.refs:
+            if entry.refs or self.closed:
                 return
             same = self._by_stamp.get(entry.stamp)
-            if same is not None and entry in same:
+            if same is not None:
                 same.remove(entry)
                 if not same:
                     del self._by_stamp[entry.stamp]
-                self.num_entries -= 1
+            self.num_entries -= 1
             self._on_drop(entry)
             empty = self.num_entries == 0
         if empty:

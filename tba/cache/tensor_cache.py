@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from tba import _env
+from tba.cache.entries import State
 from tba.cache.hooks import CacheHooks
 from tba.cache.policy import Boundary, BoundaryDecision
 from tba.cache.scopes import Unit, find_units
@@ -249,7 +250,11 @@ class TensorCache:
         entries = self._table.entries()
         offloader = self.offloader
         problems = self._engine.check(entries, None)
-        if offloader is not None and not any(e.token is not None for e in entries):
+        if (
+            offloader is not None
+            and not self._engine.transfers_of_dropped_running
+            and not any(e.token is not None or e.state is State.STORING for e in entries)
+        ):
             used = getattr(offloader, "used_bytes", None)
             if isinstance(used, int) and used != 0:
                 problems.append(

@@ -77,6 +77,11 @@ class Transfers:
         self.held_bytes = 0  # bytes the offloader holds now
         self.peak_held_bytes = 0
         self._unwoken_bytes = 0  # queued since the workers were last woken
+        # Bytes of dropped entries whose store or load is still running (their worker gives
+        # the space back when it finishes): part of the invariants (Note [Cache invariants]).
+        self._orphan_store_bytes = 0
+        self._orphan_load_bytes = 0
+        self._pending_releases = 0  # tokens taken from entries, not yet given back
         self.step = CacheStats()
 
     # ----------------------------------------------------------------- training thread side
@@ -213,10 +218,14 @@ class Transfers:
                 self.cond.notify_all()
             elif state in (State.STORED, State.READY):
                 token, entry.token = entry.token, None
+                self._pending_releases += 1
                 self.held_bytes -= entry.nbytes
-            # STORING and LOADING: the worker gives the token back when it finishes.
+            elif state is State.STORING:  # the worker gives the token back when it finishes
+                self._orphan_store_bytes += entry.nbytes
+            elif state is State.LOADING:
+                self._orphan_load_bytes += entry.nbytes
         if token is not None and self.offloader is not None:
-            self.offloader.release(token)
+            self._release(token)
 
     def wait_for_stores(self, timeout_s: float) -> None:
         """Block until no store is queued or running (bounded by ``timeout_s``).
@@ -264,6 +273,20 @@ class Transfers:
         return step
 
     # ----------------------------------------------------------------- internals (lock held)
+    @property
+    def transfers_of_dropped_running(self) -> bool:
+        """Whether a store, load or release of a dropped entry is still running."""
+        return bool(self._orphan_store_bytes or self._orphan_load_bytes or self._pending_releases)
+
+    def _release(self, token: Any) -> None:
+        """Give ``token``'s space back (no lock held: offloaders are never called under it)."""
+        assert self.offloader is not None
+        try:
+            self.offloader.release(token)
+        finally:
+            with self.cond:
+                self._pending_releases -= 1
+
     def check(self, entries: list[Entry], offloader_held: int | None) -> list[str]:
         """Invariants of a finished step, as readable problems (empty when all hold):
         counters equal what ``entries`` (the live ones) hold, nothing in flight when no entry
@@ -271,8 +294,10 @@ class Transfers:
         with self.cond:
             problems = []
             resident = sum(e.nbytes for e in entries if e.state in _HOLDS_DATA)
-            inflight = sum(e.nbytes for e in entries if e.state in (State.QUEUED, State.STORING))
-            held = sum(e.nbytes for e in entries if e.token is not None)
+            inflight = self._orphan_store_bytes + sum(
+                e.nbytes for e in entries if e.state in (State.QUEUED, State.STORING)
+            )
+            held = self._orphan_load_bytes + sum(e.nbytes for e in entries if e.token is not None)
             for name, counter, expected in (
                 ("resident_bytes", self.resident_bytes, resident),
                 ("inflight_bytes", self.inflight_bytes, inflight),
@@ -362,6 +387,8 @@ class Transfers:
             release = None
             with self.cond:
                 self.inflight_bytes -= entry.nbytes
+                if entry.state is State.DROPPED:
+                    self._orphan_store_bytes -= entry.nbytes
                 entry.event = None
                 if failure is not None:
                     self._store_failed(entry, failure)
@@ -373,6 +400,7 @@ class Transfers:
                     self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
                     if entry.state is State.DROPPED:
                         release = token
+                        self._pending_releases += 1
                         self.held_bytes -= entry.nbytes
                     else:
                         alias = entry.alias
@@ -387,10 +415,11 @@ class Transfers:
                             if alias is not None:
                                 # Keep the alias: it still sees the family's version counter
                                 # (Note [Saved-version check]), but no longer its memory.
+                                entry.remember_geometry()
                                 release_alias(alias)
                 self.cond.notify_all()
             if release is not None:
-                self.offloader.release(release)
+                self._release(release)
 
     def _store_failed(self, entry: Entry, exc: BaseException) -> None:
         error = self._fail(entry, "store", exc)
@@ -437,13 +466,16 @@ class Transfers:
             release = None
             with self.cond:
                 if entry.state is State.DROPPED:
+                    self._orphan_load_bytes -= entry.nbytes
                     release, entry.token = entry.token, None
+                    self._pending_releases += 1
                     self.held_bytes -= entry.nbytes
                 elif failure is not None:
                     entry.error = self._fail(entry, "load", failure)
                     entry.state = State.STORED  # a later unpack may try again
                 else:
                     entry.data, entry.load_event = dst.untyped_storage(), event
+                    entry.reloaded = True
                     entry.state = State.READY
                     self.resident_bytes += entry.nbytes
                     self.step.reloaded_bytes += entry.nbytes
@@ -454,7 +486,7 @@ class Transfers:
             assert done is not None
             done.set()
             if release is not None:
-                self.offloader.release(release)
+                self._release(release)
 
     # ----------------------------------------------------------------- shutdown
     def close(self, entries: list[Entry]) -> None:

@@ -25,8 +25,9 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
     # very first sin reads an input that needs no grad and saves nothing.
     assert result["tiny"]["_counts"]["num_packed"] == 2 * 20 * 2 - 1
     assert result["large_1MiB"]["_counts"]["num_packed"] == 2 * 1 * 2 - 1
-    # keep_last_modules=0: every tensor is offloaded with "host".
-    assert result["tiny"]["_counts"]["num_offloaded"] == 2 * 20 * 2 - 1
+    # keep_last_modules=0: every tensor is queued for a store with "host" (backward may
+    # cancel the stores that have not run yet, so the count is bounded, not exact).
+    assert 0 <= result["tiny"]["_counts"]["num_offloaded"] <= 2 * 20 * 2 - 1
     for size in ("tiny", "large_1MiB"):
         for name in ("no hooks", "bare hooks", "save_on_cpu", "tba none", "tba host"):
             assert result[size][name]["step_s"] > 0

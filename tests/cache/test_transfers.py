@@ -105,7 +105,7 @@ def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
                           trace=TraceRecorder())
     data = torch.arange(4097, dtype=torch.int64).view(torch.uint8).clone()
     saved = data.clone()
-    entry = Entry(1, weakref.ref(saved), saved, saved.untyped_storage(), True, "test")
+    entry = Entry(1, 1, saved, saved.untyped_storage(), saved.untyped_storage().nbytes(), True, None)
     del saved
     transfers.add(entry)
     transfers.wait_for_stores(60)
