@@ -34,10 +34,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     g = p.add_argument_group("shape overrides")
     g.add_argument("--arch", choices=["gpt", "bert", "t5", "llama"])
     for flag, dest in (("--layers", "num_layers"), ("--hidden", "hidden_size"), ("--heads", "num_heads"),
-                       ("--kv-heads", "num_kv_heads"), ("--head-dim", "head_dim"), ("--ffn", "ffn_size"),
-                       ("--seq-len", "seq_len"), ("--vocab", "vocab_size"), ("--decoder-layers", "num_decoder_layers"),
+                       ("--head-dim", "head_dim"), ("--ffn", "ffn_size"), ("--seq-len", "seq_len"),
+                       ("--vocab", "vocab_size"), ("--decoder-layers", "num_decoder_layers"),
                        ("--decoder-seq-len", "decoder_seq_len")):
         g.add_argument(flag, dest=dest, type=int)
+    g.add_argument("--kv-heads", dest="num_kv_heads", type=int,
+                   help="llama: key/value heads of grouped-query attention (default: the preset's; --heads alone "
+                        "resets it to multi-head)")
     g.add_argument("--activation", choices=["gelu", "gelu_unfused", "relu", "swiglu"])
     p.add_argument("-b", "--batch-size", type=int, default=1, help="micro-batch size (default 1)")
     a = p.add_argument_group("what is counted (defaults: today's LLM recipe)")
@@ -106,12 +109,10 @@ def _shape(args: argparse.Namespace) -> ModelShape:
         overrides.setdefault("num_kv_heads", None)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
     fields.update(overrides)
-    if arch != base.arch:
-        fields.setdefault("activation", None)
-        if "activation" not in overrides:
-            fields["activation"] = None
-        if "ffn_size" not in overrides:
-            fields["ffn_size"] = None
+    if arch != base.arch:  # the preset's activation and ffn width belong to its arch
+        for name in ("activation", "ffn_size"):
+            if name not in overrides:
+                fields[name] = None
     return ModelShape(**fields)
 
 
