@@ -47,6 +47,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     a.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16",
                    help="activation dtype (default bf16: mixed precision with bf16 activations; norm statistics, "
                         "attention log-sum-exp/softmax and the loss stay fp32)")
+    a.add_argument("--autocast", action="store_true",
+                   help="fp32 weights under torch.autocast to --dtype (HF Trainer's bf16=True) instead of bf16 "
+                        "weights: fp32 residual stream and norms, a cast copy of each projection's input and of "
+                        "every weight is saved (llama, flash attention)")
     a.add_argument("--attention", choices=["flash", "eager"], default="flash",
                    help="flash: SDPA/flash kernel, no s^2 term (default); eager: materialised scores")
     a.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
@@ -122,7 +126,7 @@ def _accounting(args: argparse.Namespace) -> Accounting:
     return Accounting(dtype_bytes=_DTYPES[args.dtype], dropout=args.dropout,
                       dropout_mask_bytes=1 if args.mask_bytes is None else args.mask_bytes,
                       softmax_bytes=args.softmax_bytes, attention=args.attention, fused_norm=args.norm == "fused",
-                      include_head=not args.no_head)
+                      include_head=not args.no_head, autocast=args.autocast)
 
 
 def _drive(args: argparse.Namespace) -> tuple[Drive, str]:

@@ -53,7 +53,8 @@ def format_report(report: PlanReport, *, show_terms: bool = True, target_label: 
     r, acc = report, report.accounting
     lines = [f"Model      {_model_line(r)}",
              f"Batch      micro-batch {r.batch_size} ({r.batch_size * r.shape.seq_len:,} tokens)",
-             f"Counting   activations {acc.dtype_bytes} B/elem, dropout {'on' if acc.dropout else 'off'}"
+             f"Counting   activations {acc.dtype_bytes} B/elem" + (" (autocast over fp32 weights)" if acc.autocast else "")
+             + f", dropout {'on' if acc.dropout else 'off'}"
              + (f" (masks {acc.dropout_mask_bytes} B/elem)" if acc.dropout else "")
              + f", {acc.attention} attention, norm stats {'yes' if acc.norm_stats else 'no'}, "
                f"embeddings/head/loss {'yes' if acc.include_head else 'no'}; distinct storages, no parameters"]

@@ -143,8 +143,12 @@ def model_terms(shape: ModelShape, batch_size: int, acc: Accounting) -> list[Act
     B = _Builder(acc, _FP32_BYTES if shape.arch == "llama" else acc.dtype_bytes)
     b, s, h = batch_size, shape.seq_len, shape.hidden_size
     T = b * s
+    if acc.autocast and (shape.arch != "llama" or acc.attention != "flash"):
+        raise ValueError(f"autocast is modelled for llama blocks with flash attention only, got arch "
+                         f"{shape.arch!r} with {acc.attention} attention: count the model in pure "
+                         "dtype_bytes=2 (bf16 weights) or dtype_bytes=4 for an upper bound")
     if shape.arch == "llama":
-        _llama_terms(B, shape, b)
+        (_llama_autocast_terms if acc.autocast else _llama_terms)(B, shape, b)
         return B.terms
     if shape.arch in ("gpt", "bert"):
         B.scope, B.count = "layer", shape.num_layers
@@ -234,3 +238,51 @@ def _llama_terms(B: _Builder, shape: ModelShape, b: int) -> None:
         B.add("embed.token_ids", T * _INT64_BYTES, "T*8")
         B.norm("final_norm", T, h, "rmsnorm")
         B.loss(T, shape)
+
+
+# Note [autocast saves cast copies]
+# Autocast runs each matmul on cast copies: the residual stream and the norms stay fp32, every
+# projection casts its own input (q, k and v three times, gate and up twice), and each weight
+# is cast once per forward (autocast's weight cache). Those copies are what the linear layers
+# save; they are not parameters, so tba's cache offloads them like any activation: the weight
+# casts add about ``num_parameters * D`` bytes per forward. Rotary promotes q and k to fp32
+# (fp32 cos/sin); attention saves its own casts of them. Tested by
+# tests/plan/test_llm.py::test_estimate_matches_cache[*-sdpa-autocast-bf16].
+
+
+def _llama_autocast_terms(B: _Builder, shape: ModelShape, b: int) -> None:
+    """Llama blocks with fp32 weights under ``torch.autocast``, flash attention (see the Note above)."""
+    s, h, i, i_kv, f, V = (shape.seq_len, shape.hidden_size, shape.attention_width, shape.kv_width,
+                           shape.ffn_size, shape.vocab_size)
+    T, D = b * s, B.D
+
+    def fp32_norm(name: str) -> None:
+        B.D = _FP32_BYTES
+        B.norm(name, T, h, "rmsnorm")
+        B.D = D
+
+    B.scope, B.count = "layer", shape.num_layers
+    fp32_norm("attn_norm")
+    for proj in ("q", "k", "v"):
+        B.add(f"attn.{proj}_proj_input_cast", T * h * D, "T*h*D")
+    B.add("attn.q", T * i * D, "T*i*D")
+    B.add("attn.k", T * i_kv * D, "T*i_kv*D")
+    B.add("attn.v", T * i_kv * D, "T*i_kv*D")
+    B.add("attn.logsumexp", b * shape.num_heads * s * _FP32_BYTES, "a*T*4")
+    B.add("attn.out_proj_input", T * i * D, "T*i*D")
+    B.add("attn.weight_casts", (2 * h * i + 2 * h * i_kv) * D, "(2*h*i+2*h*i_kv)*D")
+    fp32_norm("mlp_norm")
+    for proj in ("gate", "up"):
+        B.add(f"mlp.{proj}_proj_input_cast", T * h * D, "T*h*D")
+    for tensor in ("gate_output", "silu_output", "up_output", "down_input"):
+        B.add(f"mlp.{tensor}", T * f * D, "T*f*D")
+    B.add("mlp.weight_casts", 3 * h * f * D, "3*h*f*D")
+    B.scope, B.count = "model", 1
+    B.add("rotary.cos_sin", 2 * s * shape.head_dim * _FP32_BYTES, "2*s*d*4")
+    if B.acc.include_head:
+        B.add("embed.token_ids", T * _INT64_BYTES, "T*8")
+        fp32_norm("final_norm")
+        B.add("lm_head.input_cast", T * h * D, "T*h*D")
+        B.add("lm_head.weight_cast", V * h * D, "V*h*D")
+        B.add("loss.log_softmax", T * V * B.acc.loss_bytes, "T*V*4")
+        B.add("loss.labels", T * _INT64_BYTES, "T*8")

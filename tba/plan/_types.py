@@ -151,6 +151,11 @@ class Accounting:
             copy of the input, the normalised tensor and rstd).
         loss_bytes: bytes per element of the log-softmax the loss saves (4: losses upcast).
         include_head: count embeddings, final norm, LM/MLM head and loss (``model.*`` terms).
+        autocast: fp32 weights under ``torch.autocast`` to the ``dtype_bytes`` type (what HF
+            Trainer's ``bf16=True`` does) instead of bf16 weights: the residual stream and norms
+            stay fp32, each projection saves its own cast of its input, and every weight's cast
+            copy is saved once per forward (see Note [autocast saves cast copies]). Llama blocks
+            with flash attention only.
     """
 
     dtype_bytes: int = 2
@@ -162,6 +167,7 @@ class Accounting:
     fused_norm: bool = True
     loss_bytes: int = 4
     include_head: bool = True
+    autocast: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -174,6 +180,8 @@ class Accounting:
             problems.append(f"dropout_mask_bytes must be an int >= 0, got {self.dropout_mask_bytes!r}")
         if self.attention not in ("eager", "flash"):
             problems.append(f"attention must be 'eager' or 'flash', got {self.attention!r}")
+        if self.autocast and self.dtype_bytes != 2:
+            problems.append(f"autocast casts to bf16/fp16: dtype_bytes must be 2, got {self.dtype_bytes!r}")
         if problems:
             raise problems_error("Accounting", problems)
 
@@ -185,8 +193,9 @@ class Accounting:
 
     @classmethod
     def pytorch_cpu(cls, *, dtype_bytes: int = 4, dropout: bool = True, include_head: bool = True,
-                    attention: Literal["eager", "flash"] = "eager") -> Accounting:
+                    attention: Literal["eager", "flash"] = "eager", autocast: bool = False) -> Accounting:
         """Eager PyTorch on CPU as transformers runs it (``attn_implementation="eager"``, or
         ``"sdpa"`` without dropout, which runs CPU's flash kernel: ``attention="flash"``)."""
         return cls(dtype_bytes=dtype_bytes, dropout=dropout, dropout_mask_bytes=dtype_bytes,
-                   attention=attention, norm_stats=True, fused_norm=False, include_head=include_head)
+                   attention=attention, norm_stats=True, fused_norm=False, include_head=include_head,
+                   autocast=autocast)

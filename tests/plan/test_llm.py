@@ -1,8 +1,9 @@
 """tba.plan on Llama-style decoders (RMSNorm, rotary, grouped-query attention, SwiGLU).
 
 The estimate is validated against the bytes tba's cache measures (``cache.stats()``) on small
-transformers-built Llama and Qwen2 models with grouped-query attention, in float32 and
-bfloat16, with SDPA (CPU's flash kernel) and with eager attention and dropout.
+transformers-built Llama and Qwen2 models with grouped-query attention: float32, bfloat16
+weights, and float32 weights under bfloat16 autocast; SDPA (CPU's flash kernel), and eager
+attention with and without dropout.
 """
 
 from __future__ import annotations
@@ -100,18 +101,20 @@ def _hf_llm(arch: str, attention: str, dropout: float, dtype: torch.dtype):
     return model.to(dtype).train()
 
 
-@pytest.mark.parametrize("attention,dropout,dtype", [
-    ("sdpa", 0.0, torch.float32), ("sdpa", 0.0, torch.bfloat16), ("eager", 0.1, torch.float32),
-    ("eager", 0.0, torch.bfloat16)], ids=["sdpa-fp32", "sdpa-bf16-mixed", "eager-dropout-fp32", "eager-bf16-mixed"])
+@pytest.mark.parametrize("attention,dropout,dtype,autocast", [
+    ("sdpa", 0.0, torch.float32, False), ("sdpa", 0.0, torch.bfloat16, False), ("sdpa", 0.0, torch.float32, True),
+    ("eager", 0.1, torch.float32, False), ("eager", 0.0, torch.bfloat16, False)],
+    ids=["sdpa-fp32", "sdpa-bf16-weights", "sdpa-autocast-bf16", "eager-dropout-fp32", "eager-bf16-weights"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_estimate_matches_cache(arch, attention, dropout, dtype):
+def test_estimate_matches_cache(arch, attention, dropout, dtype, autocast):
     torch.manual_seed(0)
     model = _hf_llm(arch, attention, dropout, dtype)
     b = 3
     ids = torch.randint(0, TINY["vocab_size"], (b, TINY["seq_len"]))
 
     def loss() -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return model(input_ids=ids, labels=ids).loss
 
     stats = cache_saved_bytes(model, loss)
     measured = stats.offloaded_bytes + stats.kept_bytes
@@ -124,7 +127,22 @@ def test_estimate_matches_cache(arch, attention, dropout, dtype):
     assert measured == storages.total_bytes, (
         f"the cache held {measured} B but the distinct saved storages are {storages.total_bytes} B; storages "
         f"saved through several tensor families: {storages.multi_family_storages or 'none found'}")
-    acc = plan.Accounting.pytorch_cpu(dtype_bytes=dtype.itemsize, dropout=dropout > 0,
-                                      attention="flash" if attention == "sdpa" else "eager")
+    acc = plan.Accounting.pytorch_cpu(dtype_bytes=2 if autocast else dtype.itemsize, dropout=dropout > 0,
+                                      attention="flash" if attention == "sdpa" else "eager", autocast=autocast)
     estimate = plan.activation_bytes(plan.ModelShape(arch="llama", **TINY), b, acc)
     assert estimate == pytest.approx(measured, rel=0.01)
+
+
+def test_autocast_counts_weight_casts():
+    shape = plan.PRESETS["llama3-8b"]
+    pure = plan.activation_terms(shape, 1, plan.Accounting())
+    cast = {t.name: t for t in plan.activation_terms(shape, 1, plan.Accounting(autocast=True))}
+    casts = sum(t.total_bytes for n, t in cast.items() if "weight_cast" in n)
+    # every matmul weight once, at 2 bytes: all parameters but the (uncast) embedding table
+    assert casts == 2 * (shape.num_parameters - shape.vocab_size * shape.hidden_size)
+    assert cast["layer.attn_norm.input"].bytes_each == 8192 * 4096 * 4  # the residual stream stays fp32
+    assert "layer.attn.qkv_input" in {t.name for t in pure} and "layer.attn.v_proj_input_cast" in cast
+    with pytest.raises(ValueError, match="llama blocks with flash attention only"):
+        plan.activation_bytes(plan.PRESETS["gpt2"], 1, plan.Accounting(autocast=True))
+    with pytest.raises(ValueError, match="dtype_bytes must be 2"):
+        plan.Accounting(autocast=True, dtype_bytes=4)
