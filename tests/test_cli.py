@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -75,6 +76,31 @@ def test_docstring_examples_run():
     for module in (tba.plan, tba.plan._estimate):
         result = doctest.testmod(module, raise_on_error=False, verbose=False)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+@pytest.mark.skipif(not shutil.which("objdump"), reason="needs objdump (binutils) to read the ELF header")
+def test_hook_library_links_only_what_manylinux_allows():
+    # manylinux wheels may link glibc's libraries only; the hook links no CUDA, cuFile or libstdc++.
+    from tba import malloc_hook
+
+    try:
+        path = malloc_hook.library_path()
+    except malloc_hook.MallocHookError as e:
+        pytest.fail(f"the hook library is not built: {e}")
+    dynamic = subprocess.run(["objdump", "-p", str(path)], capture_output=True, text=True, timeout=60, check=True)
+    needed = {line.split()[1] for line in dynamic.stdout.splitlines() if line.strip().startswith("NEEDED")}
+    assert needed and needed <= {"libc.so.6", "libdl.so.2", "libpthread.so.0", "ld-linux-x86-64.so.2",
+                                 "ld-linux-aarch64.so.1"}, needed
+
+
+def test_rok_names_the_missing_extra(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli.main(["rok", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "tba rok: needs matplotlib" in err and "pip install 'tba[test,bench]'" in err
 
 
 def _run(args: list[str], timeout_s: float, **kw) -> subprocess.CompletedProcess:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -104,6 +105,11 @@ def _git_commit() -> str | None:
 def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
     """Runs the sweep (``tba rok --help``); returns the exit status (3: interrupted, partial results)."""
     args = _parse_args(argv, prog)
+    missing = [m for m in ("transformers", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"{prog}: needs {' and '.join(missing)} (the model and the figure): pip install 'tba[test,bench]'",
+              file=sys.stderr)
+        return 2
     cuda = args.device == "cuda"
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """tba.plan on Llama-style decoders (RMSNorm, rotary, grouped-query attention, SwiGLU).
 
 The estimate is validated against the bytes tba's cache measures (``cache.stats()``) on small
-transformers-built Llama and Qwen2 models with grouped-query attention: float32, bfloat16
+transformers-built Llama, Qwen2 and Mistral models with grouped-query attention: float32, bfloat16
 weights, and float32 weights under bfloat16 autocast; SDPA (CPU's flash kernel), and eager
 attention with and without dropout.
 """
@@ -96,7 +96,9 @@ def _hf_llm(arch: str, attention: str, dropout: float, dtype: torch.dtype):
                   attention_dropout=dropout, attn_implementation=attention, use_cache=False)
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    else:  # Qwen2: Llama's block with q/k/v biases (no saved-tensor difference) and tied embeddings
+    elif arch == "mistral":  # Llama's block; its sliding window (4096) is longer than the sequence
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    else:  # Qwen2: Llama's block with q/k/v biases (no saved-tensor difference)
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     return model.to(dtype).train()
 
@@ -105,7 +107,7 @@ def _hf_llm(arch: str, attention: str, dropout: float, dtype: torch.dtype):
     ("sdpa", 0.0, torch.float32, False), ("sdpa", 0.0, torch.bfloat16, False), ("sdpa", 0.0, torch.float32, True),
     ("eager", 0.1, torch.float32, False), ("eager", 0.0, torch.bfloat16, False)],
     ids=["sdpa-fp32", "sdpa-bf16-weights", "sdpa-autocast-bf16", "eager-dropout-fp32", "eager-bf16-weights"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_estimate_matches_cache(arch, attention, dropout, dtype, autocast):
     torch.manual_seed(0)
     model = _hf_llm(arch, attention, dropout, dtype)
