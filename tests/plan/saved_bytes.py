@@ -69,7 +69,10 @@ def cache_saved_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor
     """Bytes tba's cache held for one step of ``forward().backward()`` (offloaded + kept).
 
     Everything is managed (``min_offload_bytes=0``, ``keep_last_modules=0``, CPU tensors) and
-    measured through ``cache.stats()`` of the last of ``steps`` steps. Returns the stats.
+    measured through ``cache.stats()`` of the last of ``steps`` steps. Every store completes
+    before backward starts, so no store is cancelled because its tensor died first (a store
+    still queued when backward frees the tensor is neither offloaded nor kept: how many
+    are depends on timing). Returns the stats.
     """
     import tba
 
@@ -77,7 +80,9 @@ def cache_saved_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor
                                        keep_last_modules=0, adaptive=False)
     try:
         for _ in range(steps):  # the stats describe the last completed step
-            forward().backward()
+            loss = forward()
+            cache.wait_for_stores(timeout_s=60)
+            loss.backward()
         return cache.stats()
     finally:
         cache.close()
