@@ -1,6 +1,6 @@
 """``python -m tba.malloc_hook``: where the hook library is, and what it did in this process.
 
-    LD_PRELOAD=$(python -m tba.malloc_hook --path) torchrun train.py
+    LD_PRELOAD=$(python -m tba.malloc_hook --path) torchrun train.py   # or $(tba hook --path)
     env $(python -m tba.malloc_hook --env) torchrun train.py   # also points the hook at cuFile
     LD_PRELOAD=$(python -m tba.malloc_hook --path) python -m tba.malloc_hook --status
 """
@@ -25,10 +25,10 @@ def _env_assignments() -> str:
     return " ".join(assignments)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
+def main(argv: list[str] | None = None, *, prog: str = "python -m tba.malloc_hook") -> int:
+    """Runs the command line (``tba hook`` is the same); returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m tba.malloc_hook",
+        prog=prog,
         description="Locate the CUDA malloc hook that registers CUDA allocations with cuFile.",
     )
     action = parser.add_mutually_exclusive_group(required=True)
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "--env",
         action="store_true",
         help="print LD_PRELOAD=... and, when the nvidia-cufile wheel is installed, "
-        "TBA_HOOK_CUFILE_LIBRARY=..., for `env $(python -m tba.malloc_hook --env) COMMAND`",
+        f"TBA_HOOK_CUFILE_LIBRARY=..., for `env $({prog} --env) COMMAND`",
     )
     action.add_argument(
         "--status",

@@ -13,11 +13,10 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from tba.rok import _report as _rok_report  # noqa: E402
+from tba.rok import _worker as _rok_worker  # noqa: E402
 
-import _rok_report  # noqa: E402
-import _rok_worker  # noqa: E402
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_quick_run_writes_csv_json_png(tmp_path):

@@ -1,14 +1,15 @@
-"""The tensors autograd saves in one training step of a GPT, BERT or T5, term by term.
+"""The tensors autograd saves in one training step of a GPT, BERT, T5 or Llama, term by term.
 
 Private helper of :mod:`tba.plan`. Every term names one saved tensor (or one group of saved
-tensors of identical size), so the accounting can be read, checked against a hook-based count
-(``tba._plan_measure``) and argued about. Sizes are bytes of *distinct storages*: a tensor
+tensors of identical size), so the accounting can be read, checked against what tba's cache
+measures (``tests/plan``) and argued about. Sizes are bytes of *distinct storages*: a tensor
 saved by several ops (the output of ``softmax`` saved by both ``softmax`` and the next
 ``matmul``) counts once, the way tba's cache writes it once. Parameters and their views are
 never counted.
 
 Notation: ``b`` micro-batch, ``s`` sequence length, ``T = b*s`` tokens, ``h`` hidden size,
-``f`` feed-forward size, ``i = heads*head_dim`` attention width, ``a`` heads, ``D`` bytes per
+``f`` feed-forward size, ``i = heads*head_dim`` attention width, ``i_kv = kv_heads*head_dim``
+key/value width (grouped-query attention), ``a`` heads, ``d`` head_dim, ``D`` bytes per
 activation element, ``M`` bytes per dropout-mask element, ``S`` bytes per softmax-output
 element, ``V`` vocabulary.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tba._plan_types import Accounting, ModelShape
+from tba.plan._types import Accounting, ModelShape
 
 __all__ = ["ActivationTerm", "model_terms"]
 
@@ -47,11 +48,11 @@ class ActivationTerm:
 
 
 class _Builder:
-    def __init__(self, acc: Accounting) -> None:
+    def __init__(self, acc: Accounting, softmax_bytes: int) -> None:
         self.acc = acc
         self.D = acc.dtype_bytes
         self.M = acc.dropout_mask_bytes
-        self.S = acc.softmax_bytes if acc.softmax_bytes is not None else acc.dtype_bytes
+        self.S = acc.softmax_bytes if acc.softmax_bytes is not None else softmax_bytes
         self.terms: list[ActivationTerm] = []
         self.scope = "model"
         self.count = 1
@@ -69,7 +70,7 @@ class _Builder:
             self.add(f"{name}.input", T * h * self.D, "T*h*D")
             if self.acc.norm_stats:
                 self.add(f"{name}.rstd", T * _FP32_BYTES, "T*4")
-        else:  # HF T5LayerNorm, op by op: x.float() (pow, mul), x*rsqrt (weight*), rsqrt
+        else:  # HF T5LayerNorm/LlamaRMSNorm, op by op: x.float() (pow, mul), x*rsqrt (weight*), rsqrt
             self.add(f"{name}.input_fp32", T * h * _FP32_BYTES, "T*h*4")
             self.add(f"{name}.normalized", T * h * self.D, "T*h*D")
             if self.acc.norm_stats:
@@ -90,8 +91,14 @@ class _Builder:
         elif kv_input:
             self.add(f"{name}.kv_input", Tkv * h * D, "T_kv*h*D")
         self.add(f"{name}.q", Tq * i * D, "T*i*D")
-        self.add(f"{name}.k", Tkv * i * D, "T_kv*i*D")
-        self.add(f"{name}.v", Tkv * i * D, "T_kv*i*D")
+        grouped = shape.kv_width != i
+        if grouped and self.acc.attention == "flash":  # the kernel reads each key/value head once
+            self.add(f"{name}.k", Tkv * shape.kv_width * D, "T_kv*i_kv*D")
+            self.add(f"{name}.v", Tkv * shape.kv_width * D, "T_kv*i_kv*D")
+        else:  # eager attention repeats grouped keys/values to every head (a copy) before matmul
+            suffix = "_repeated" if grouped else ""
+            self.add(f"{name}.k{suffix}", Tkv * i * D, "T_kv*i*D")
+            self.add(f"{name}.v{suffix}", Tkv * i * D, "T_kv*i*D")
         scores = b * a * s_q * s_kv
         f_scores = "a*s*s_kv*b" if s_q != s_kv else "a*s^2*b"
         if self.acc.attention == "flash":
@@ -109,6 +116,12 @@ class _Builder:
         D, h, f = self.D, shape.hidden_size, shape.ffn_size
         self.add(f"{name}.fc1_input", T * h * D, "T*h*D")
         act = shape.activation
+        if act == "swiglu":  # down(silu(gate(x)) * up(x)): silu saves its input, mul both factors
+            self.add(f"{name}.gate_output", T * f * D, "T*f*D")
+            self.add(f"{name}.silu_output", T * f * D, "T*f*D")
+            self.add(f"{name}.up_output", T * f * D, "T*f*D")
+            self.add(f"{name}.down_input", T * f * D, "T*f*D")
+            return
         if act == "gelu":
             self.add(f"{name}.act_input", T * f * D, "T*f*D")
         elif act == "gelu_unfused":
@@ -127,9 +140,16 @@ class _Builder:
 
 def model_terms(shape: ModelShape, batch_size: int, acc: Accounting) -> list[ActivationTerm]:
     """Every term of one forward pass of ``shape`` at micro-batch ``batch_size``."""
-    B = _Builder(acc)
+    B = _Builder(acc, _FP32_BYTES if shape.arch == "llama" else acc.dtype_bytes)
     b, s, h = batch_size, shape.seq_len, shape.hidden_size
     T = b * s
+    if acc.autocast and (shape.arch != "llama" or acc.attention != "flash"):
+        raise ValueError(f"autocast is modelled for llama blocks with flash attention only, got arch "
+                         f"{shape.arch!r} with {acc.attention} attention: count the model in pure "
+                         "dtype_bytes=2 (bf16 weights) or dtype_bytes=4 for an upper bound")
+    if shape.arch == "llama":
+        (_llama_autocast_terms if acc.autocast else _llama_terms)(B, shape, b)
+        return B.terms
     if shape.arch in ("gpt", "bert"):
         B.scope, B.count = "layer", shape.num_layers
         if shape.arch == "gpt":  # pre-LN: x + attn(ln_1(x)); x + mlp(ln_2(x))
@@ -199,3 +219,70 @@ def model_terms(shape: ModelShape, batch_size: int, acc: Accounting) -> list[Act
         B.dropout_mask("dec.out", T_dec * h, "T_dec*h")
         B.loss(T_dec, shape)
     return B.terms
+
+
+def _llama_terms(B: _Builder, shape: ModelShape, b: int) -> None:
+    """Pre-norm decoder: x + attn(rmsnorm(x)); x + mlp(rmsnorm(x)); rotary q/k; no residual dropout."""
+    s, h = shape.seq_len, shape.hidden_size
+    T = b * s
+    B.scope, B.count = "layer", shape.num_layers
+    B.norm("attn_norm", T, h, "rmsnorm")
+    # Rotary q*cos + rotate_half(q)*sin: the rotated q and k are what attention saves (counted
+    # there); the projections' outputs are not saved. cos/sin are shared by every layer.
+    B.attention("attn", b, s, s, shape)
+    B.norm("mlp_norm", T, h, "rmsnorm")
+    B.mlp("mlp", T, shape)
+    B.scope, B.count = "model", 1
+    B.add("rotary.cos_sin", 2 * s * shape.head_dim * B.D, "2*s*d*D")
+    if B.acc.include_head:
+        B.add("embed.token_ids", T * _INT64_BYTES, "T*8")
+        B.norm("final_norm", T, h, "rmsnorm")
+        B.loss(T, shape)
+
+
+# Note [autocast saves cast copies]
+# Autocast runs each matmul on cast copies: the residual stream and the norms stay fp32, every
+# projection casts its own input (q, k and v three times, gate and up twice), and each weight
+# is cast once per forward (autocast's weight cache). Those copies are what the linear layers
+# save; they are not parameters, so tba's cache offloads them like any activation: the weight
+# casts add about ``num_parameters * D`` bytes per forward. Rotary promotes q and k to fp32
+# (fp32 cos/sin); attention saves its own casts of them. Tested by
+# tests/plan/test_llm.py::test_estimate_matches_cache[*-sdpa-autocast-bf16].
+
+
+def _llama_autocast_terms(B: _Builder, shape: ModelShape, b: int) -> None:
+    """Llama blocks with fp32 weights under ``torch.autocast``, flash attention (see the Note above)."""
+    s, h, i, i_kv, f, V = (shape.seq_len, shape.hidden_size, shape.attention_width, shape.kv_width,
+                           shape.ffn_size, shape.vocab_size)
+    T, D = b * s, B.D
+
+    def fp32_norm(name: str) -> None:
+        B.D = _FP32_BYTES
+        B.norm(name, T, h, "rmsnorm")
+        B.D = D
+
+    B.scope, B.count = "layer", shape.num_layers
+    fp32_norm("attn_norm")
+    for proj in ("q", "k", "v"):
+        B.add(f"attn.{proj}_proj_input_cast", T * h * D, "T*h*D")
+    B.add("attn.q", T * i * D, "T*i*D")
+    B.add("attn.k", T * i_kv * D, "T*i_kv*D")
+    B.add("attn.v", T * i_kv * D, "T*i_kv*D")
+    B.add("attn.logsumexp", b * shape.num_heads * s * _FP32_BYTES, "a*T*4")
+    B.add("attn.out_proj_input", T * i * D, "T*i*D")
+    B.add("attn.weight_casts", (2 * h * i + 2 * h * i_kv) * D, "(2*h*i+2*h*i_kv)*D")
+    fp32_norm("mlp_norm")
+    for proj in ("gate", "up"):
+        B.add(f"mlp.{proj}_proj_input_cast", T * h * D, "T*h*D")
+    for tensor in ("gate_output", "silu_output", "up_output", "down_input"):
+        B.add(f"mlp.{tensor}", T * f * D, "T*f*D")
+    B.add("mlp.weight_casts", 3 * h * f * D, "3*h*f*D")
+    B.scope, B.count = "model", 1
+    B.add("rotary.cos_sin", 2 * s * shape.head_dim * _FP32_BYTES, "2*s*d*4")
+    if B.acc.include_head:
+        B.add("embed.token_ids", T * _INT64_BYTES, "T*8")
+        fp32_norm("final_norm")
+        B.add("lm_head.input_cast", T * h * D, "T*h*D")
+        B.add("lm_head.weight_cast", V * h * D, "V*h*D")
+        B.add("loss.log_softmax", T * V * B.acc.loss_bytes, "T*V*4")
+        B.add("loss.labels", T * _INT64_BYTES, "T*8")

@@ -1,4 +1,4 @@
-"""One point of the ROK curve, run in a fresh process (private helper of ``rok_curve.py``).
+"""One point of the ROK curve, run in a fresh process (private module of :mod:`tba.rok`).
 
 ``run_point(spec)`` builds the model, the optimizer and the strategy, measures the baseline,
 runs warm-up and measured training steps and returns a dict of plain values. ``probe(spec)``
@@ -17,10 +17,7 @@ import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
-
-from _environment import cpu_name
 
 STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload")
 _OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
@@ -96,11 +93,16 @@ class _RSS:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def _import_path() -> None:
-    """tba from this checkout when it is not installed."""
-    repo = str(Path(__file__).resolve().parents[1])
-    if repo not in sys.path:
-        sys.path.append(repo)
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (or what ``platform`` knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def build_model(model_spec: dict[str, int], device: str, dtype: str):
@@ -156,7 +158,6 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     malloc = configure_malloc(spec.get("mmap_threshold_bytes")) if spec["device"] == "cpu" else "n/a"
     import torch
 
-    _import_path()
     import tba
     from tba import plan
 
@@ -277,7 +278,6 @@ def probe(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import transformers
 
-    _import_path()
     import tba
 
     info: dict[str, Any] = {

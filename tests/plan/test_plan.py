@@ -1,4 +1,4 @@
-"""tba.plan: hand-computed examples, the Korthikanti formula, and measured saved bytes."""
+"""tba.plan on GPT/BERT/T5: hand-computed examples, the Korthikanti formula, and measured saved bytes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import sys
 import pytest
 import torch
 
-import tba
 from tba import plan
-from tba._plan_measure import count_saved_bytes
+from tests.plan.saved_bytes import cache_saved_bytes, count_saved_bytes
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -61,7 +60,7 @@ def test_flash_attention_has_no_quadratic_term():
     flash = plan.Accounting(attention="flash", dropout=False, include_head=False)
     short, long = (plan.ModelShape(arch="gpt", **{**TINY, "seq_len": s}) for s in (32, 64))
     assert plan.activation_bytes(long, 1, flash) == 2 * plan.activation_bytes(short, 1, flash)  # linear in s
-    eager = plan.Accounting(dropout=False, include_head=False)
+    eager = plan.Accounting(attention="eager", dropout=False, include_head=False)
     assert plan.activation_bytes(long, 1, eager) > 2 * plan.activation_bytes(short, 1, eager)
     names = {t.name for t in plan.activation_terms(short, 1, flash)}
     assert "layer.attn.logsumexp" in names and "layer.attn.softmax_output" not in names
@@ -94,7 +93,7 @@ def test_plan_report_and_step_time_estimate():
     r = plan.plan(shape, 2, peak_flops=100e12, mfu=0.5, drive=plan.DRIVES["samsung-990pro-2tb"], num_drives=2)
     assert r.step_time_s == pytest.approx(plan.model_flops(shape, 2) / 50e12)
     assert r.required_write_bytes_per_s == pytest.approx(r.activation_bytes / (0.5 * r.step_time_s))
-    assert r.available_write_bytes_per_s == pytest.approx(2 * 6.9e9)
+    assert r.available_write_bytes_per_s == pytest.approx(2 * 1.5e9)  # sustained, not the 6.9 GB/s burst
     assert r.lifetime_years == pytest.approx(plan.ssd_lifetime_years(r.activation_bytes, r.step_time_s, r.drive,
                                                                      num_drives=2))
     text = plan.format_report(r)
@@ -116,9 +115,12 @@ def test_validation_lists_every_problem():
 
 
 def test_cli_table_and_json(capsys):
-    assert plan.main(["--model", "t5-small", "-b", "2", "--step-time-s", "0.5"]) == 0
+    assert plan.main(["--model", "t5-small", "-b", "2", "--step-time-s", "0.5", "--attention", "eager"]) == 0
     out = capsys.readouterr().out
     assert "dec_layer.cross.softmax_output" in out and "Required write bandwidth" in out
+    assert plan.main(["--model", "t5-small", "-b", "2", "--step-time-s", "0.5"]) == 0  # default: flash, no s^2
+    out = capsys.readouterr().out
+    assert "dec_layer.cross.logsumexp" in out and "softmax_output" not in out
     proc = subprocess.run([sys.executable, "-m", "tba.plan", "--model", "gpt2", "--hidden", "512", "--heads", "8",
                            "--json", "--drive", "optane-p5800x-1.6tb", "--num-ssds", "4"],
                           capture_output=True, text=True, timeout=60, check=True)
@@ -165,25 +167,19 @@ def test_estimate_matches_saved_tensors(arch, activation, dropout):
     assert estimate == pytest.approx(measured.total_bytes, rel=0.01)
 
 
-# ---- validation against tba's cache (skipped until the cache lands) ----
+# ---- validation against tba's cache ----
 
-@pytest.mark.skipif(not hasattr(tba, "configure_tensor_cache"), reason="tba.configure_tensor_cache not there yet")
-def test_estimate_within_15_percent_of_cache():
+def test_estimate_matches_cache_on_gpt2():
+    # tba.configure_tensor_cache is called directly (cache_saved_bytes): a renamed API fails
+    # here instead of skipping.
     torch.manual_seed(0)
     model, _ = _hf_model("gpt", 0.0)
     model.train()
     b = 4
     ids = torch.randint(0, TINY["vocab_size"], (b, TINY["seq_len"]))
-    cache = tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",), min_offload_bytes=0,
-                                       keep_last_modules=0)
-    try:
-        for _ in range(2):  # the stats describe the last completed step
-            model(input_ids=ids, labels=ids).loss.backward()
-        stats = cache.stats()
-    finally:
-        cache.close()
+    stats = cache_saved_bytes(model, lambda: model(input_ids=ids, labels=ids).loss)
     measured = stats.offloaded_bytes + stats.kept_bytes
     shape = plan.ModelShape(arch="gpt", **TINY)
     estimate = plan.activation_bytes(shape, b, plan.Accounting.pytorch_cpu(dropout=False))
-    assert measured > 0
-    assert estimate == pytest.approx(measured, rel=0.15)
+    assert stats.offloaded_bytes > 0 and stats.num_cancelled == 0, stats
+    assert estimate == pytest.approx(measured, rel=0.01)

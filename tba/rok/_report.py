@@ -1,4 +1,4 @@
-"""Tables, summary and plot of the ROK curve (private helper of ``rok_curve.py``)."""
+"""Tables, summary and plot of the ROK curve (private module of :mod:`tba.rok`)."""
 
 from __future__ import annotations
 

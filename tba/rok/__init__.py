@@ -1,0 +1,46 @@
+"""ROK curve: activation peak vs model throughput for Recompute, Offload and Keep.
+
+``tba rok`` (or ``benchmarks/rok_curve.py`` in a checkout) sweeps strategies x micro-batch
+sizes on a GPT-2 built from a transformers config and writes ``rok_curve.{csv,json,png}``
+with a printed summary. Needs ``transformers`` and, for the figure, ``matplotlib``
+(``pip install 'tba[test,bench]'``).
+
+Strategies: ``keep`` (tba cache with ``offloader="none"``: everything stays, accounted),
+``recompute`` (``torch.utils.checkpoint``, non-reentrant, around every ``GPT2Block``; no tba),
+``offload-host``, ``offload-ssd`` (tba, ``offloader="host"``/``"ssd"``) and
+``recompute+offload`` (checkpointing plus the SSD offloader for what is still saved: the
+block inputs and the head). A strategy whose offloader cannot be built reports an
+``unavailable: reason`` row and the sweep goes on.
+
+Method: each (strategy, batch) point runs in a fresh process (forked from a forkserver that
+preloaded torch and transformers): model, AdamW, gradients and optimizer state are set up,
+the baseline is taken, then ``--warmup`` steps and ``--steps`` measured steps run; a step is
+forward + backward + optimizer step. Reported step time: the median of the measured steps.
+
+Activation peak:
+  * CUDA: ``torch.cuda.max_memory_allocated()`` during a step minus ``memory_allocated()``
+    after set-up (weights, gradients, optimizer state), maximum over the measured steps.
+  * CPU: the process's RSS high-water mark (``VmHWM``, reset before each step through
+    ``/proc/self/clear_refs``; ``ru_maxrss`` where that is unavailable) minus the RSS after
+    set-up. glibc is told (``mallopt``; ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``)
+    to serve allocations above 64 KiB with their own mappings and to return frees at once,
+    so RSS follows live memory. On CPU the "device" is host memory: ``offload-host`` moves
+    activations from one part of RSS to another and cannot lower it; ``offload-ssd`` can.
+    Workers run CPU cores - 1 compute threads, leaving a core to tba's I/O threads as a GPU
+    machine would (with every core computing, the writer starves and nothing is freed early).
+  Beside it, ``cache_peak_resident_bytes`` is the cache's own exact count of saved
+  activations held in memory at the step's peak (strategies with a cache only).
+
+Model FLOPs (``tba.plan.model_flops``), algorithmic work only, recompute not counted:
+    model_flops = 3 * (L * (24*b*s*h^2 + 4*b*s^2*h) + 2*b*s*h*V)
+(forward matmuls, multiply-add = 2 FLOPs, backward = 2 x forward; L layers, hidden h,
+micro-batch b, sequence s, vocabulary V). model_flops_per_s = model_flops / step time;
+tokens_per_s = b*s / step time.
+"""
+
+from __future__ import annotations
+
+from tba.rok._cli import main
+from tba.rok._worker import STRATEGIES
+
+__all__ = ["STRATEGIES", "main"]
