@@ -24,6 +24,10 @@ class State(enum.Enum):
     READY = "ready"  # in memory and in the offloader (loaded, or stored while wanted)
     DROPPED = "dropped"  # every handle died
 
+    # Members are singletons: identity hashing is C-level (Enum's own __hash__ is Python code
+    # and runs on every state test in the transfer hot path).
+    __hash__ = object.__hash__
+
 
 HOLDS_DATA = frozenset((State.KEPT, State.QUEUED, State.STORING, State.READY))
 
@@ -32,11 +36,11 @@ class Entry:
     """One storage, saved through one version-counter family at one version.
 
     See Note [Version-counter families] in ``tba/cache/table.py`` for why the family is part of
-    the identity, and Note [Saved-version check] for ``alias``, ``version`` and ``modified``.
+    the identity, and Note [Saved-version check] for ``alias`` and ``version``.
     """
 
     __slots__ = (
-        "stamp", "family", "version", "alias", "geometry", "reloaded", "modified", "device",
+        "stamp", "family", "version", "alias", "geometry", "reloaded", "device",
         "nbytes", "data", "state", "token", "refs", "event", "load_event", "load_done", "error",
         "wanted", "offload", "scope",
     )
@@ -61,7 +65,6 @@ class Entry:
         self.alias: torch.Tensor | None = tensor.detach()
         self.geometry: tuple | None = None  # the alias's (dtype, size, stride, offset), once released
         self.reloaded = False  # ``data`` is a reloaded copy, not the original storage
-        self.modified = False  # the family was written between pack and the end of the store
         self.device = data.device
         self.nbytes = nbytes
         self.data: torch.UntypedStorage | None = data  # the whole storage, while in memory

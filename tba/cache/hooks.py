@@ -31,7 +31,9 @@ __all__ = ["CacheHooks", "ModuleHook"]
 
 logger = logging.getLogger(__name__)
 
-_NESTED_TYPE_NAME = "NestedTensor"  # torch.nested._internal.nested_tensor.NestedTensor
+_NESTED_TYPE_NAME = "NestedTensor"
+_TENSOR = torch.Tensor
+_STRIDED = torch.strided  # torch.nested._internal.nested_tensor.NestedTensor
 
 
 def _inert_hook(*args: Any, **kwargs: Any) -> None:
@@ -61,14 +63,6 @@ class ModuleHook:
 
     def __reduce__(self) -> tuple:
         return (_make_inert, ())
-
-
-def _is_cuda(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda
-
-
-def _is_cpu(tensor: torch.Tensor) -> bool:
-    return tensor.is_cpu
 
 
 class _PackedSubclass:
@@ -137,14 +131,9 @@ class CacheHooks:
         self.boundary = boundary
         self._finish_step_ref = finish_step  # a weakref.WeakMethod of the cache's
         self._devices = frozenset(config.offload_devices)
-        # Note: ``tensor.device`` builds a torch.device per call; the common cases use the
-        # tensor's cheap predicates instead.
-        if self._devices == {"cuda"}:
-            self._managed_device = _is_cuda
-        elif self._devices == {"cpu"}:
-            self._managed_device = _is_cpu
-        else:
-            self._managed_device = lambda t, devices=self._devices: t.device.type in devices
+        # ``tensor.device`` builds a torch.device per call; the common cases use the tensor's
+        # cheap predicates instead.
+        self._device_only = next(iter(self._devices)) if len(self._devices) == 1 else None
         self._offloading = engine.offloader is not None
         self._lock = threading.RLock()  # records, hint, step transitions
         self._local = _ThreadState()
@@ -297,14 +286,19 @@ class CacheHooks:
         engine = self.engine
         if engine.error is not None:
             engine.raise_pending()
-        if type(tensor) is not torch.Tensor:
+        if type(tensor) is not _TENSOR:
             if hasattr(tensor, "__tensor_flatten__"):
                 return self._pack_subclass(tensor)
             return (tensor, tensor._version)  # unknown subclasses: autograd keeps them
+        device_only = self._device_only
         if (
-            not self._managed_device(tensor)
+            not (
+                tensor.is_cuda if device_only == "cuda"
+                else tensor.is_cpu if device_only == "cpu"
+                else tensor.device.type in self._devices
+            )
             or (tensor.requires_grad and tensor.is_leaf)
-            or tensor.layout is not torch.strided
+            or tensor.layout is not _STRIDED
             or tensor.is_conj()
             or tensor.is_neg()
         ):
@@ -327,7 +321,10 @@ class CacheHooks:
         if ptr == 0 or ptr in self._param_ptrs:
             return (tensor, tensor._version)
         forward = self._local.forward
-        scope = forward.scope()
+        units = forward.units
+        scope = units[-1][1] if units else None
+        if scope is None:
+            scope = forward.scope()
         handle, entry = self.table.handle(
             tensor, storage, root, scope,
             self._offloading and not scope.keep and forward.skip_depth == 0,
@@ -406,7 +403,7 @@ class CacheHooks:
             )
         entry = packed.entry
         alias = entry.alias
-        if entry.modified or alias is None or alias._version != entry.version:
+        if alias is None or alias._version != entry.version:
             self._raise_modified(packed)
         scope = packed.scope
         if not scope.backward_entered:
@@ -428,8 +425,6 @@ class CacheHooks:
         dtype, size, _, _ = packed.geometry or entry.remember_geometry()
         alias = entry.alias
         found = None if alias is None else alias._version
-        if entry.modified and found == entry.version:
-            found = None
         unit = packed.scope.unit
         raise modified_error(tuple(size), dtype, unit.name if unit is not None else None,
                              entry.version, found)

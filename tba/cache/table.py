@@ -18,10 +18,11 @@ Note [Saved-version check]: with saved-tensor hooks installed, autograd skips it
 a saved tensor was not modified in place before backward used it (``saved_variable.cpp``: "Only
 check version counter in the case without hooks"). tba redoes it: each entry remembers the
 family's version at pack and keeps a detached alias (sharing the version counter, not the
-graph) while its bytes are in memory; when its store finishes the worker notes whether the
-family was written meanwhile (then the snapshot may be torn) and swaps the alias's storage for
-an empty one (version restored), so the counter stays observable without holding memory.
-Unpack raises PyTorch's error when the version moved. Not detectable: a write through another
+graph); when its store finishes the worker swaps the alias's storage for an empty one without
+touching the counter, so the family's writes stay observable without holding memory, also
+after every tensor of the family died (as autograd's SavedVariable keeps the counter). Unpack
+raises PyTorch's error when the version moved (a write during the store, which may have torn
+the snapshot, moved it too). Not detectable: a write through another
 family (``.data``, ``unsafe_chunk`` siblings), which plain PyTorch does not detect either and
 which no offloader can honour (backward sees the bytes at store time, PyTorch the bytes at
 backward time).

@@ -404,8 +404,6 @@ class Transfers:
                         self.held_bytes -= entry.nbytes
                     else:
                         alias = entry.alias
-                        if alias is not None and alias._version != entry.version:
-                            entry.modified = True  # Note [Saved-version check]: torn snapshot
                         if entry.wanted:
                             entry.token, entry.state = token, State.READY
                         else:
