@@ -248,3 +248,69 @@ def test_invariant_check_names_the_broken_invariant(monkeypatch: pytest.MonkeyPa
         cache._table._on_drop = original
         cache._engine.resident_bytes = 0
         cache.close()
+
+
+def test_fetch_of_a_running_store_keeps_the_bytes_without_prefetch() -> None:
+    """The engine alone: unpack (fetch) of an entry whose store is running, with no prefetch
+    before it, keeps the bytes in memory once the store finishes: a second fetch reads
+    nothing and the bytes stay counted as resident."""
+    from tba.cache.entries import Entry, State
+    from tba.cache.streams import DeviceStreams
+    from tba.cache.trace import TraceRecorder
+    from tba.cache.transfers import Transfers
+
+    offloader = FakeOffloader()
+    offloader.gate = threading.Event()
+    engine = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
+                       max_inflight_bytes=1 << 30, on_io_error="raise", trace=TraceRecorder())
+    saved = torch.arange(1024, dtype=torch.float32)
+    storage = saved.untyped_storage()
+    entry = Entry(1, 1, saved, storage, storage.nbytes(), True, None)
+    entry.refs = 1
+    try:
+        engine.add(entry)
+        engine.flush()
+        assert offloader.store_started.acquire(timeout=JOIN_S), "the store never started"
+        assert entry.state is State.STORING
+        data, _ = engine.fetch(entry)  # backward wants it while the store runs
+        offloader.gate.set()
+        engine.wait_for_stores(JOIN_S)
+        assert entry.state is State.READY and entry.data is not None
+        assert engine.resident_bytes == storage.nbytes()
+        again, _ = engine.fetch(entry)
+        assert again is data and offloader.num_loads == 0 and engine.step.num_sync_loads == 0
+    finally:
+        offloader.gate.set()
+        engine.drop(entry)
+        engine.close([])
+    assert engine.resident_bytes == 0
+
+
+def test_prefetch_looks_past_kept_scopes() -> None:
+    """Entering backward at the kept tail starts the loads of the first ``prefetch_modules``
+    offloaded blocks before it: kept blocks use none of the look-ahead."""
+    from tba.cache.entries import State
+
+    offloader = FakeOffloader()
+    offloader.gate = None
+    model = models.Stack(num_blocks=6)
+    cache = make_cache(model, offloader, prefetch_modules=1, keep_last_modules=2)
+    try:
+        loss = model(models.vector_batch(0))
+        cache.wait_for_stores(JOIN_S)
+        (record,) = cache._hooks.records.values()
+        scopes = record.scopes
+        kept = [s for s in scopes if s.keep]
+        offloaded = [s for s in scopes if not s.keep and s.entries]
+        assert len(kept) >= 3 and offloaded, "the model no longer has a kept tail of several scopes"
+        cache._hooks.prefetch_from(scopes[-1])  # what entering the last scope's backward does
+        nearest = max(offloaded, key=lambda s: s.index)
+        farther = [s for s in offloaded if s.index < nearest.index]
+        loading = (State.LOADING, State.READY)
+        assert all(e.state in loading for e in nearest.entries if e.offload), \
+            "the nearest offloaded block was not prefetched past the kept blocks"
+        assert all(e.state is State.STORED for s in farther for e in s.entries if e.offload), \
+            "prefetch looked further than prefetch_modules"
+        loss.backward()
+    finally:
+        cache.close()
