@@ -2,7 +2,9 @@
 tba ``host``, measured side by side (interleaved) in one run.
 
 A model of many tiny ops saves thousands of small tensors; each variant's step is timed and the
-difference to the step without hooks is divided by the tensors it packed. tba's costs are
+difference to the step without hooks is divided by the tensors it packed. Times are CPU time of
+the whole process (``time.process_time``: the training thread and tba's transfer threads), so a
+busy shared machine inflates them less than wall time; wall times are reported beside. tba's costs are
 printed as ratios to the bare hooks' cost (the floor any saved-tensor hook pays). A second
 model with 1 MiB tensors checks that large tensors do not get slower.
 
@@ -101,21 +103,25 @@ def measure(
     setup = {"tba none": configure_only("none"), "tba host": configure_only("host")}
     jobs = [*variants.items(), *((f"{name} setup", fn) for name, fn in setup.items())]
     times: dict[str, list[float]] = {name: [] for name, _ in jobs}
+    walls: dict[str, list[float]] = {name: [] for name, _ in jobs}
     for _, fn in jobs:  # warm-up
         fn()
     for _ in range(repeats):  # interleaved: drift hits every variant alike
         for name, fn in jobs:
-            start = time.perf_counter()
+            start, wall = time.process_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(time.process_time() - start)
+            walls[name].append(time.perf_counter() - wall)
     median = {name: statistics.median(t) for name, t in times.items()}
+    wall_median = {name: statistics.median(t) for name, t in walls.items()}
     packed = caches["tba none"].num_packed
     offloaded = caches["tba host"].num_offloaded
     base = median["no hooks"]
     out: dict[str, dict[str, float]] = {}
     for name in variants:
         extra = median[name] - base - median.get(f"{name} setup", 0.0)
-        out[name] = {"step_s": median[name], "per_tensor_us": extra / packed * 1e6}
+        out[name] = {"step_s": median[name], "step_wall_s": wall_median[name],
+                     "per_tensor_us": extra / packed * 1e6}
     out["tba host"]["per_offloaded_tensor_us"] = (
         (median["tba host"] - base - median["tba host setup"]) / max(offloaded, 1) * 1e6
     )
@@ -134,7 +140,8 @@ def report(label: str, rows: dict[str, dict[str, float]]) -> list[str]:
         ratio = f"  ({row['per_tensor_us'] / bare:.1f}x bare hooks)" if name.startswith("tba") and bare > 0 else ""
         extra = (f"; {row['per_offloaded_tensor_us']:.1f} us per offloaded tensor"
                  if "per_offloaded_tensor_us" in row else "")
-        lines.append(f"  {name:<12} step {row['step_s'] * 1e3:8.2f} ms  "
+        lines.append(f"  {name:<12} step {row['step_s'] * 1e3:8.2f} ms CPU "
+                     f"({row['step_wall_s'] * 1e3:8.2f} ms wall)  "
                      f"{row['per_tensor_us']:7.2f} us/tensor{ratio}{extra}")
     return lines
 
