@@ -7,19 +7,9 @@ import platform
 import shlex
 import sys
 
+from tba.rok._worker import cpu_name  # one definition: `tba rok` ships it
+
 __all__ = ["cpu_name", "describe"]
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo (or what ``platform`` knows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def describe(device: str) -> dict[str, object]:
