@@ -24,7 +24,7 @@ fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
-pip install -q -c "$constraints" -e ".[test,bench]"
+pip install -q -c "$constraints" -e ".[test,bench,release]"
 bash .ci/install_optional.sh "$constraints"
 
 if [ "$what" = main ]; then
