@@ -10,7 +10,7 @@ import torch
 
 __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
-    "is_functorch_wrapped", "in_functorch_transform", "STAMP_ATTR", "FAMILY_ATTR",
+    "is_functorch_wrapped", "in_functorch_transform", "capturing", "STAMP_ATTR", "FAMILY_ATTR",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -72,3 +72,9 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a torch.func (functorch) wrapper: a grad or vmap level's tensor,
     whose storage cannot be reached."""
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+def capturing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a CUDA tensor saved while the current stream captures a CUDA
+    graph (the runtime is asked only for CUDA tensors)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()

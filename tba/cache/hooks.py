@@ -11,6 +11,7 @@ import functools
 import itertools
 import logging
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -39,6 +40,21 @@ _STRIDED = torch.strided  # torch.nested._internal.nested_tensor.NestedTensor
 def _inert_hook(*args: Any, **kwargs: Any) -> None:
     """What a tba hook becomes in a copy of the model: nothing."""
     return None
+
+
+# Note [Subclasses with pending work]: autograd packs an op's saved inputs *before* the op
+# runs, so a wrapper subclass that finishes its data inside ``__torch_dispatch__``
+# (``AsyncCollectiveTensor`` waits on its collective there) is packed while a collective may
+# still be writing it: copying its inner tensor then would read a buffer NCCL is filling. Only
+# subclasses known to hold finished plain data are flattened and offloaded: DTensor, jagged
+# NestedTensor, float8 training tensors; every other subclass (and any of those whose inner
+# tensors are such subclasses: they go through this check again) stays with autograd.
+_OFFLOADABLE_SUBCLASS_NAMES = frozenset({"DTensor", "NestedTensor"})
+
+
+def _offloadable_subclass(cls: type) -> bool:
+    name = cls.__name__
+    return name in _OFFLOADABLE_SUBCLASS_NAMES or "Float8" in name
 
 
 def _make_inert() -> Any:
@@ -145,6 +161,9 @@ class CacheHooks:
         self._handles: list[Any] = []
         self._hint: StageHint | None = None
         self._warned_functorch = False
+        self._noted_subclasses: set[type] = set()
+        self._warned_capture = False
+        self.num_captured = 0
         self.closed = False
         self.stage_log: Any = None  # set by the cache
 
@@ -305,6 +324,8 @@ class CacheHooks:
             # Parameters and tensors tba does not manage stay with autograd, with their
             # version at pack (Note [Saved-version check]).
             return (tensor, tensor._version)
+        if compat.capturing(tensor):
+            return self._captured(tensor)
         base = tensor._base
         if base is None:
             root = tensor
@@ -347,6 +368,30 @@ class CacheHooks:
             entries.append(entry)
         return handle
 
+    def _captured(self, tensor: torch.Tensor) -> tuple:
+        """Note [CUDA-graph capture]: a save during capture happens once, at capture time,
+        while the graph's replays reuse the same memory; events recorded and transfers queued
+        now would belong to the capture, and a worker's synchronisation or allocation would
+        invalidate it. Such tensors stay with autograd (counted, warned once)."""
+        self.num_captured += 1
+        if not self._warned_capture:
+            self._warned_capture = True
+            warnings.warn(
+                "tba: tensors saved while a CUDA graph is being captured are not offloaded "
+                "(a graph replays its kernels without calling tba's hooks); this warning is "
+                "shown once", RuntimeWarning, stacklevel=3,
+            )
+        return (tensor, tensor._version)
+
+    def _note_unsafe_subclass(self, cls: type) -> None:
+        if cls not in self._noted_subclasses:
+            self._noted_subclasses.add(cls)
+            logger.info(
+                "tba: saved tensors of type %s stay with autograd (only DTensor, jagged "
+                "NestedTensor and float8 subclasses are offloaded: Note [Subclasses with "
+                "pending work])", cls.__name__,
+            )
+
     def _functorch_note(self) -> None:
         if not self._warned_functorch:
             self._warned_functorch = True
@@ -362,6 +407,9 @@ class CacheHooks:
         offsets identify its ragged dimension: they are never replaced)."""
         if tensor.requires_grad and tensor.is_leaf:
             return (tensor, tensor._version)  # a parameter
+        if not _offloadable_subclass(type(tensor)):
+            self._note_unsafe_subclass(type(tensor))
+            return (tensor, tensor._version)
         names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         nested = type(tensor).__name__ == _NESTED_TYPE_NAME
         inner: dict[str, Any] = {}

@@ -38,6 +38,9 @@ class CacheStats:
         write_bytes_per_s: offloaded bytes over the time stores took (completed stores only).
         read_bytes_per_s: reloaded bytes over the time loads took.
         num_io_errors: stores or loads that failed (with ``on_io_error="keep"``, kept instead).
+        num_resized: stores refused because the saved storage was resized or freed behind
+            autograd's back (``storage.resize_``); those tensors stayed in memory.
+        num_captured: saves made during CUDA-graph capture, left to autograd.
     """
 
     num_steps: int = 0
@@ -57,6 +60,8 @@ class CacheStats:
     write_bytes_per_s: float = 0.0
     read_bytes_per_s: float = 0.0
     num_io_errors: int = 0
+    num_resized: int = 0
+    num_captured: int = 0
     # Busy time of completed transfers, the denominators of the two rates above.
     write_s: float = 0.0
     read_s: float = 0.0

@@ -25,6 +25,10 @@ from tba.offloaders.base import Offloader
 
 __all__ = ["Transfers"]
 
+
+class _Resized(Exception):
+    """A store's source storage changed size while it was being copied."""
+
 logger = logging.getLogger(__name__)
 
 _HOLDS_DATA = HOLDS_DATA
@@ -71,6 +75,7 @@ class Transfers:
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._warned_keep = False
+        self._warned_resized = False
         self.error: BaseException | None = None
         self.inflight_bytes = 0
         self.resident_bytes = 0
@@ -368,11 +373,13 @@ class Transfers:
                 entry = self._store_q.popleft()
                 if entry.state is not State.QUEUED:
                     continue  # cancelled while queued
-                entry.state = State.STORING
                 storage, event = entry.data, entry.event
-            assert storage is not None
+                assert storage is not None
+                if storage.nbytes() != entry.nbytes:
+                    self._resized(entry)
+                    continue
+                entry.state = State.STORING
             src = storage_bytes(storage)
-            del storage
             start = time.perf_counter()
             token, failure = None, None
             try:
@@ -384,13 +391,23 @@ class Transfers:
             elapsed = end - start
             self.trace.span("store", start, end, bytes=entry.nbytes, ok=failure is None)
             del src
+            if failure is None and storage.nbytes() != entry.nbytes:
+                # Freed or resized while the copy ran: the stored bytes may be garbage. The
+                # token is given back and the entry kept (as an unmanaged save would be).
+                failure = _Resized()
+            del storage
             release = None
             with self.cond:
                 self.inflight_bytes -= entry.nbytes
                 if entry.state is State.DROPPED:
                     self._orphan_store_bytes -= entry.nbytes
                 entry.event = None
-                if failure is not None:
+                if isinstance(failure, _Resized):
+                    if token is not None:
+                        release = token
+                        self._pending_releases += 1
+                    self._resized(entry, running=True)
+                elif failure is not None:
                     self._store_failed(entry, failure)
                 else:
                     self.step.num_offloaded += 1
@@ -418,6 +435,28 @@ class Transfers:
                 self.cond.notify_all()
             if release is not None:
                 self._release(release)
+
+    def _resized(self, entry: Entry, running: bool = False) -> None:
+        """Note [Storages freed behind tba's back] (lock held): frameworks free storages with
+        ``storage.resize_(0)`` (FSDP1 flat parameters, Megatron/TE forced release); a store
+        must never read such memory. The entry stays in memory as it is (what autograd would
+        hold), its store is dropped, and the user is told once."""
+        if not running:
+            self.inflight_bytes -= entry.nbytes
+            self.cond.notify_all()
+        if entry.state is not State.DROPPED:
+            entry.state = State.KEPT
+            self.step.kept_bytes += entry.nbytes
+        self.step.num_resized += 1
+        if not self._warned_resized:
+            self._warned_resized = True
+            warnings.warn(
+                f"tba: a saved storage of {entry.nbytes} bytes was resized or freed "
+                "(storage.resize_) after autograd saved it; tba keeps such storages instead of "
+                "offloading them (this warning is shown once)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
     def _store_failed(self, entry: Entry, exc: BaseException) -> None:
         error = self._fail(entry, "store", exc)

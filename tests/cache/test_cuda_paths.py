@@ -1,0 +1,144 @@
+"""CPU tests of the CUDA-path rules of the cache (issue 16): CUDA-graph capture, subclasses
+with pending work, storages freed behind autograd's back."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tba
+from tba import _torch_compat as compat
+from tba.cache.tensor_cache import TensorCache
+from tests import models
+from tests.cache.fakes import FakeOffloader
+
+JOIN_S = 30.0
+
+
+def make_cache(model: nn.Module, offloader, **options) -> TensorCache:
+    options = {"offload_devices": ("cpu",), "min_offload_bytes": 0, "keep_last_modules": 0,
+               "adaptive": False, **options}
+    return TensorCache(model, tba.TensorCacheConfig(offloader=offloader, **options), offloader)
+
+
+def test_saves_under_capture_stay_with_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [CUDA-graph capture]: pack under (mocked) capture returns the tensor itself,
+    queues nothing, warns once and counts it."""
+    monkeypatch.setattr(compat, "capturing", lambda tensor: True)
+    offloader = FakeOffloader()
+    model = models.Stack(num_blocks=3)
+    twin = models.Stack(num_blocks=3)
+    twin.load_state_dict(model.state_dict())
+    cache = make_cache(model, offloader)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                torch.manual_seed(step)
+                a = model(models.vector_batch(step))
+                a.backward()
+                torch.manual_seed(step)
+                b = twin(models.vector_batch(step))
+                b.backward()
+                assert torch.equal(a, b)
+            model(models.vector_batch(9))  # ends the second step
+        stats = cache.stats(cumulative=True)
+    finally:
+        cache.close()
+    assert [str(w.message) for w in caught if "CUDA graph" in str(w.message)].__len__() == 1
+    assert stats.num_captured > 0 and stats.num_offloaded == 0 and offloader.num_stores == 0
+    assert stats.num_packed == 0  # nothing became an entry
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class PendingWork(torch.Tensor):
+    """A wrapper subclass like AsyncCollectiveTensor: flattenable, but not known to hold
+    finished data at pack time."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> PendingWork:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
+                                                   requires_grad=elem.requires_grad)
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    def __tensor_flatten__(self):
+        return ["elem"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, size, stride):
+        return PendingWork(inner["elem"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.elem if isinstance(t, PendingWork) else t  # noqa: E731
+        args = torch.utils._pytree.tree_map(unwrap, args)
+        kwargs = torch.utils._pytree.tree_map(unwrap, kwargs or {})
+        out = func(*args, **kwargs)
+        return torch.utils._pytree.tree_map(
+            lambda t: PendingWork(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def test_subclasses_not_known_safe_stay_with_autograd() -> None:
+    """Note [Subclasses with pending work]: an unknown wrapper subclass (AsyncCollectiveTensor
+    among them) is not flattened: pack hands autograd the tensor itself."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from tba.cache.hooks import _offloadable_subclass
+
+    assert not _offloadable_subclass(AsyncCollectiveTensor)
+    assert not _offloadable_subclass(PendingWork)
+    from torch.distributed.tensor import DTensor
+
+    assert _offloadable_subclass(DTensor)
+    model = models.Stack(num_blocks=2)
+    cache = make_cache(model, FakeOffloader())
+    try:
+        tensor = PendingWork(torch.randn(64))
+        packed = cache._hooks._pack(tensor)
+        assert type(packed) is tuple and packed[0] is tensor
+        assert cache._hooks._unpack(packed) is tensor
+    finally:
+        cache.close()
+
+
+def test_a_storage_resized_before_its_store_is_never_read() -> None:
+    """Note [Storages freed behind tba's back]: a storage resized to zero (FSDP1, Megatron/TE
+    forced release) after autograd saved it is kept as it is and never read by a store."""
+    offloader = FakeOffloader()
+    offloader.gate = threading.Event()
+
+    class FreesAfterSave(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 48)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.sin(self.blocks[0](x))  # saves x (linear) and its input (sin)
+            out = self.blocks[1](h)  # saves h
+            self.freed = h.untyped_storage()
+            return out.sum()
+
+    model = FreesAfterSave()
+    cache = make_cache(model, offloader)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(torch.randn(8, 32))
+            model.freed.resize_(0)  # what a framework's forced release does
+            offloader.gate.set()  # the stores run now, after the release
+            cache.wait_for_stores(JOIN_S)
+            del loss  # the graph dies without backward: the step ends
+        stats = cache.stats(cumulative=True)
+    finally:
+        offloader.gate.set()
+        cache.close()
+    # x and sin's input were stored; h (saved by the second linear) never was.
+    assert stats.num_resized == 1 and offloader.num_stores == 2
+    assert sum("resized or freed" in str(w.message) for w in caught) == 1
