@@ -71,7 +71,7 @@ class Entry:
         self.state = State.KEPT
         self.token: Any = None
         self.refs = 0
-        self.event: Any = None  # producer event recorded at pack time
+        self.event: Any = None  # producer token (event and stream) recorded at pack time
         self.load_event: Any = None
         self.load_done: threading.Event | None = None
         self.error: BaseException | None = None

@@ -164,6 +164,7 @@ class CacheHooks:
         self._noted_subclasses: set[type] = set()
         self._warned_capture = False
         self.num_captured = 0
+        self.num_record_stream = 0
         self.closed = False
         self.stage_log: Any = None  # set by the cache
 
@@ -464,8 +465,8 @@ class CacheHooks:
             geometry = entry.remember_geometry()
         dtype, size, stride, offset = geometry
         tensor = compat.view_on_storage(storage, dtype, size, stride, offset)
-        if event is not None:
-            engine.streams.consume(event, tensor)
+        if entry.reloaded and engine.streams.consume(event, tensor, entry.event):
+            self.num_record_stream += 1
         return tensor
 
     def _raise_modified(self, packed: Handle) -> None:

@@ -41,6 +41,9 @@ class CacheStats:
         num_resized: stores refused because the saved storage was resized or freed behind
             autograd's back (``storage.resize_``); those tensors stayed in memory.
         num_captured: saves made during CUDA-graph capture, left to autograd.
+        num_record_stream: reloaded tensors consumed on a stream other than the one their
+            buffer was allocated on (``record_stream`` needed; Note [Reload buffers on the
+            consumer's stream]).
     """
 
     num_steps: int = 0
@@ -62,6 +65,7 @@ class CacheStats:
     num_io_errors: int = 0
     num_resized: int = 0
     num_captured: int = 0
+    num_record_stream: int = 0
     # Busy time of completed transfers, the denominators of the two rates above.
     write_s: float = 0.0
     read_s: float = 0.0

@@ -1,17 +1,23 @@
 """The stream/event layer: how transfers are ordered against the compute stream.
 
-Note [Transfer ordering] (TBA_NOTES section 4, bugs 3 and 4):
+Note [Transfer ordering] (bugs that sank earlier offloaders: stores reading unfinished
+kernels' output, reload buffers used on another stream without ordering):
 1. At pack time the cache records an event on the producing (current) stream; a store waits on
    it before reading the tensor, so it never copies bytes a kernel has not written yet.
-2. Stores and loads run on their own transfer streams, made current on the worker thread, and
-   the offloader synchronises its copies before returning, so the source of a store may be
-   released as soon as the store returns.
-3. A load allocates its destination on the load stream and records an event after the copy;
-   before unpack hands the tensor to autograd, the consuming stream waits on that event and
-   the destination is marked used on the consuming stream (``record_stream``), so the caching
-   allocator cannot give its memory away while backward still reads it.
+2. Stores and loads run on transfer streams of their own (high priority for loads: backward
+   waits for them), made current on the worker thread; the offloader synchronises its copies
+   before returning, so the source of a store may be released as soon as the store returns.
+3. Note [Reload buffers on the consumer's stream]: the CUDA caching allocator keeps free
+   blocks per stream, so a reload buffer allocated on the load stream could never reuse the
+   memory offloading freed on the compute stream, and ``record_stream`` would hold it until
+   the GPU caught up with the CPU. A load therefore allocates its destination on the stream
+   that produced the tensor (the one backward consumes it on), records an event there and
+   makes the load stream wait on it before copying; the copy's end is recorded as the loaded
+   event. Before unpack hands the tensor to autograd, the consuming stream waits on that
+   event; ``record_stream`` is called only when the consumer is not the allocation stream,
+   and counted (``CacheStats.num_record_stream``).
 The cache talks only to the ``StreamLayer`` protocol below, so CPU tests drive exactly this
-ordering logic with a recording fake (tests/cache/test_streams.py).
+ordering logic with recording fakes (tests/cache/fakes.py).
 """
 
 from __future__ import annotations
@@ -30,22 +36,29 @@ class StreamLayer(Protocol):
     """Ordering primitives the cache needs; one implementation per kind of device runtime."""
 
     def producer_event(self, device: torch.device) -> Any | None:
-        """On the training thread at pack time: an event on the current stream, or None."""
+        """On the training thread at pack time: a token of the current stream's position
+        (an event on it, and the stream), or None."""
         ...
 
     def transfer(
         self, device: torch.device, kind: str, wait_for: Any | None
     ) -> contextlib.AbstractContextManager:
         """On a worker thread: make the ``kind`` ("store"/"load") transfer stream current and
-        order it after ``wait_for``."""
+        order it after ``wait_for`` (a producer token, or an allocation's ready token)."""
+        ...
+
+    def allocate(self, device: torch.device, nbytes: int, producer: Any | None) -> tuple[torch.Tensor, Any]:
+        """On a load worker: a ``uint8`` buffer of ``nbytes`` allocated on the stream of
+        ``producer`` (the consumer's), and a token the load's ``transfer`` waits on."""
         ...
 
     def loaded_event(self, device: torch.device) -> Any | None:
         """On a worker thread inside ``transfer``, after a load: an event marking its end."""
         ...
 
-    def consume(self, event: Any | None, tensor: torch.Tensor) -> None:
-        """On the training thread before handing ``tensor`` (a loaded copy) to autograd."""
+    def consume(self, event: Any | None, tensor: torch.Tensor, producer: Any | None) -> bool:
+        """On the training thread before handing ``tensor`` (a loaded copy allocated on
+        ``producer``'s stream) to autograd; returns whether ``record_stream`` was needed."""
         ...
 
 
@@ -61,15 +74,18 @@ class DeviceStreams:
         with self._lock:
             stream = self._streams.get((index, kind))
             if stream is None:
-                stream = self._streams[(index, kind)] = torch.cuda.Stream(device=index)
+                # Loads run at high priority: backward is waiting for them.
+                priority = -1 if kind == "load" else 0
+                stream = self._streams[(index, kind)] = torch.cuda.Stream(device=index, priority=priority)
         return stream
 
     def producer_event(self, device: torch.device) -> Any | None:
         if device.type != "cuda":
             return None
+        stream = torch.cuda.current_stream(device)
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
+        event.record(stream)
+        return (event, stream)
 
     @contextlib.contextmanager
     def transfer(self, device: torch.device, kind: str, wait_for: Any | None) -> Iterator[None]:
@@ -79,8 +95,18 @@ class DeviceStreams:
         stream = self._stream(device, kind)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             if wait_for is not None:
-                stream.wait_event(wait_for)
+                stream.wait_event(wait_for[0])
             yield
+
+    def allocate(self, device: torch.device, nbytes: int, producer: Any | None) -> tuple[torch.Tensor, Any]:
+        if device.type != "cuda" or producer is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+        stream = producer[1]
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return buffer, (ready, stream)
 
     def loaded_event(self, device: torch.device) -> Any | None:
         if device.type != "cuda":
@@ -89,10 +115,13 @@ class DeviceStreams:
         event.record(torch.cuda.current_stream(device))
         return event
 
-    def consume(self, event: Any | None, tensor: torch.Tensor) -> None:
+    def consume(self, event: Any | None, tensor: torch.Tensor, producer: Any | None) -> bool:
         if tensor.device.type != "cuda":
-            return
+            return False
         stream = torch.cuda.current_stream(tensor.device)
         if event is not None:
             stream.wait_event(event)
-        tensor.record_stream(stream)
+        if producer is None or producer[1] != stream:
+            tensor.record_stream(stream)
+            return True
+        return False

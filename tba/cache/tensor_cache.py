@@ -236,7 +236,9 @@ class TensorCache:
         engine, table = self._engine, self._table
         step = engine.take_step()
         step.num_packed, step.num_deduplicated, step.num_family_entries = table.take_counts()
-        step.num_captured, self._hooks.num_captured = self._hooks.num_captured, 0
+        hooks = self._hooks
+        step.num_captured, hooks.num_captured = hooks.num_captured, 0
+        step.num_record_stream, hooks.num_record_stream = hooks.num_record_stream, 0
         with self._stats_lock:
             self._steps.finish(step, engine.peak_held_bytes)
         engine.trace.end_step()

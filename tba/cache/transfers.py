@@ -401,7 +401,6 @@ class Transfers:
                 self.inflight_bytes -= entry.nbytes
                 if entry.state is State.DROPPED:
                     self._orphan_store_bytes -= entry.nbytes
-                entry.event = None
                 if isinstance(failure, _Resized):
                     if token is not None:
                         release = token
@@ -491,8 +490,9 @@ class Transfers:
             start = time.perf_counter()
             dst, event, failure = None, None, None
             try:
-                with self.streams.transfer(entry.device, "load", None):
-                    dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+                # Note [Reload buffers on the consumer's stream]
+                dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event)
+                with self.streams.transfer(entry.device, "load", ready):
                     self.offloader.load(token, dst)
                     event = self.streams.loaded_event(entry.device)
             except Exception as exc:  # re-raised on the training thread by fetch()

@@ -101,5 +101,12 @@ class RecordingStreams:
         self._add("record", event, threading.get_ident())
         return event
 
-    def consume(self, event: Any, tensor: torch.Tensor) -> None:
-        self._add("consume", event, tensor.untyped_storage().data_ptr(), threading.get_ident())
+    def allocate(self, device: torch.device, nbytes: int, producer: Any) -> tuple[torch.Tensor, Any]:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        ready = ("allocated", next(self.ids))
+        self._add("allocate", producer, ready, buffer.untyped_storage().data_ptr(), threading.get_ident())
+        return buffer, ready
+
+    def consume(self, event: Any, tensor: torch.Tensor, producer: Any) -> bool:
+        self._add("consume", event, tensor.untyped_storage().data_ptr(), threading.get_ident(), producer)
+        return False  # one fake stream: the consumer is the allocation stream

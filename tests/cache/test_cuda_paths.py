@@ -142,3 +142,39 @@ def test_a_storage_resized_before_its_store_is_never_read() -> None:
     # x and sin's input were stored; h (saved by the second linear) never was.
     assert stats.num_resized == 1 and offloader.num_stores == 2
     assert sum("resized or freed" in str(w.message) for w in caught) == 1
+
+
+def test_reload_buffers_are_allocated_on_the_producers_stream() -> None:
+    """Note [Reload buffers on the consumer's stream]: each load allocates its buffer with the
+    producer token recorded when the tensor was packed, the load waits on that allocation, and
+    unpack consumes the buffer naming the same producer (so record_stream is needed only when
+    backward runs on another stream)."""
+    from tests.cache.fakes import RecordingStreams
+
+    streams = RecordingStreams()
+    offloader = FakeOffloader()
+    model = models.Stack(num_blocks=4)
+    config = tba.TensorCacheConfig(offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0,
+                                   keep_last_modules=0, adaptive=False, prefetch_modules=0)
+    cache = TensorCache(model, config, offloader, streams=streams)
+    try:
+        loss = model(models.vector_batch(0))
+        cache.wait_for_stores(JOIN_S)
+        loss.backward()
+        stats = cache.stats()
+    finally:
+        cache.close()
+    log = streams.log
+    producers = {e[1] for e in log if e[0] == "record" and e[1][0] == "producer"}
+    allocations = [e for e in log if e[0] == "allocate"]
+    load_waits = [e[2] for e in log if e[0] == "enter" and e[1] == "load"]
+    consumed = [e for e in log if e[0] == "consume"]
+    assert stats.reloaded_bytes > 0 and len(allocations) == offloader.num_loads > 0
+    assert all(a[1] in producers for a in allocations), "a reload buffer was not allocated on its producer's stream"
+    assert load_waits == [a[2] for a in allocations], "a load did not wait on its buffer's allocation"
+    assert consumed
+    for index, event in enumerate(log):
+        if event[0] == "consume":  # the latest allocation at that address (addresses are reused)
+            allocated = [e for e in log[:index] if e[0] == "allocate" and e[3] == event[2]][-1]
+            assert allocated[1] == event[4], "consumed naming another producer than it was allocated on"
+    assert stats.num_record_stream == 0
