@@ -38,8 +38,10 @@ class Steps:
         offloader: Offloader | None,
         on_cuda: Callable[[], bool],
         waited_s: Callable[[], float],
+        reserve: Callable[[int], None],
     ) -> None:
         self._config = config
+        self._reserve = reserve  # asks the engine to size the offloader (off this thread)
         self._waited_s = waited_s
         self._boundary = boundary
         self._offloader = offloader
@@ -104,7 +106,7 @@ class Steps:
         peak_held = peak_held_bytes
         if not self._reserved and self._num_done >= reserve_after and self._offloader and peak_held:
             self._reserved = True
-            self._offloader.reserve(peak_held)
+            self._reserve(peak_held)
         logger.debug("tba step finished: %s", step)
         return step
 

@@ -54,7 +54,7 @@ class EntryTable:
 
     Args:
         min_offload_bytes: smaller storages are never offloaded.
-        on_drop: called (table lock held) with each entry whose last handle died.
+        on_drop: called (no lock held) with each entry whose last handle died.
         on_empty: called (no lock held) after the last entry was dropped.
     """
 
@@ -139,10 +139,13 @@ class EntryTable:
                 if not same:
                     del self._by_stamp[entry.stamp]
             self.num_entries -= 1
-            self._on_drop(entry)
             empty = self.num_entries == 0
+        # Outside the table lock: the engine gives space back to the offloader here, and no
+        # offloader call is made under a cache lock. The entry is out of the table and has no
+        # handle left, so nothing can reach it meanwhile.
+        self._on_drop(entry)
         if empty:
-            self._on_empty()  # outside the table lock: lock order is hooks -> table -> engine
+            self._on_empty()  # lock order is hooks -> table -> engine
 
     def entries(self) -> list[Entry]:
         """Every live entry (a copy)."""

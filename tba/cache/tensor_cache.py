@@ -98,7 +98,7 @@ class TensorCache:
         self.boundary = Boundary(self.num_blocks, config.keep_last_modules)
         self._steps = Steps(
             config, self.boundary, offloader, functools.partial(_on_cuda, model),
-            functools.partial(_store_wait_s, self._engine),
+            functools.partial(_store_wait_s, self._engine), self._engine.reserve_later,
         )
         self._table = EntryTable(config.min_offload_bytes, self._engine.drop, self._on_empty_weak())
         # Live graphs hold the hooks (autograd keeps the unpack hook with every saved

@@ -87,6 +87,7 @@ class Transfers:
         self._orphan_store_bytes = 0
         self._orphan_load_bytes = 0
         self._pending_releases = 0  # tokens taken from entries, not yet given back
+        self._reserve_bytes = 0  # a reserve() the store worker makes when idle
         self.step = CacheStats()
 
     # ----------------------------------------------------------------- training thread side
@@ -233,7 +234,8 @@ class Transfers:
             self._release(token)
 
     def wait_for_stores(self, timeout_s: float) -> None:
-        """Block until no store is queued or running (bounded by ``timeout_s``).
+        """Block until no store is queued or running and no reserve is pending (bounded by
+        ``timeout_s``).
 
         Raises:
             TBAError: stores are still in flight after ``timeout_s`` seconds.
@@ -242,7 +244,7 @@ class Transfers:
         with self.cond:
             self._unwoken_bytes = 0
             self.cond.notify_all()
-            while self.inflight_bytes > 0 and self.error is None:
+            while (self.inflight_bytes > 0 or self._reserve_bytes) and self.error is None:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TBAError(
@@ -252,6 +254,15 @@ class Transfers:
                     )
                 self.cond.wait(remaining)
         self.raise_pending()
+
+    def reserve_later(self, nbytes: int) -> None:
+        """Size the offloader for ``nbytes`` held at once, on the store worker when it is
+        idle: never on the autograd thread, never under a lock (pinning gigabytes or
+        preallocating files takes time). A failure is raised in the training step."""
+        with self.cond:
+            self._reserve_bytes = nbytes
+            self._start_workers()
+            self.cond.notify_all()
 
     def set_error(self, error: BaseException) -> None:
         """Raise ``error`` at the next hook on the training thread (unless one is pending)."""
@@ -367,9 +378,15 @@ class Transfers:
         while True:
             with self.cond:
                 while not self._stopping and (not self._store_q or self._load_q):
+                    if self._reserve_bytes and not self._store_q and not self._load_q:
+                        break
                     self.cond.wait()
                 if self._stopping:
                     return
+                if not self._store_q:
+                    reserve, self._reserve_bytes = self._reserve_bytes, 0
+                    self._reserve_now(reserve)
+                    continue
                 entry = self._store_q.popleft()
                 if entry.state is not State.QUEUED:
                     continue  # cancelled while queued
@@ -434,6 +451,32 @@ class Transfers:
                 self.cond.notify_all()
             if release is not None:
                 self._release(release)
+
+    def _reserve_now(self, nbytes: int) -> None:
+        """On the store worker, lock held on entry and exit (released around the call)."""
+        assert self.offloader is not None
+        self.cond.release()
+        try:
+            self.offloader.reserve(nbytes)
+        except Exception as exc:  # raised in the training step, never swallowed
+            failure: BaseException | None = exc
+        else:
+            failure = None
+        finally:
+            self.cond.acquire()
+            self.cond.notify_all()  # wait_for_stores waits for this too
+        if failure is not None:
+            self.step.num_io_errors += 1
+            if self.error is None:
+                if isinstance(failure, OffloadIOError):
+                    self.error = failure
+                else:
+                    error = OffloadIOError(
+                        f"reserving {nbytes} bytes in the {self.offloader.name!r} offloader "
+                        f"failed: {type(failure).__name__}: {failure}", num_bytes=nbytes,
+                    )
+                    error.__cause__ = failure
+                    self.error = error
 
     def _resized(self, entry: Entry, running: bool = False) -> None:
         """Note [Storages freed behind tba's back] (lock held): frameworks free storages with

@@ -147,8 +147,11 @@ def test_adversarial_bit_exact(make_model, make_batch, keep_last: int) -> None:
     total = cache.stats(cumulative=True)
     if make_model is SharedSaver and keep_last == 1:
         # Everything offloaded is saved again by blocks[0]'s second call, in the kept tail:
-        # backward is served from memory (the keep path), nothing needs reading back.
-        assert total.offloaded_bytes > 0, total
+        # backward is served from memory (the keep path), nothing needs reading back. Whether
+        # a store ran before the second call took the tensor back (offloaded) or was still
+        # queued (cancelled) is the worker's timing; either way it went through the keep path.
+        assert total.offloaded_bytes > 0 or total.num_cancelled > 0, total
+        assert total.reloaded_bytes == 0, total
     else:
         assert_bytes_moved(cache)
     assert total.num_steps == 3
