@@ -66,8 +66,10 @@ class IOEngine(Protocol):
 
     name: str
 
-    def open(self, path: str) -> Any:
-        """Open an existing, preallocated slab file; return the handle requests carry."""
+    def open(self, path: str, label: str) -> Any:
+        """Open an existing, preallocated slab file at ``path`` (which may resolve through a
+        held directory handle); ``label`` is the path errors name. Return the handle requests
+        carry."""
         ...
 
     def close_file(self, handle: Any) -> None:

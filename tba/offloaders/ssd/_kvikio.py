@@ -79,8 +79,8 @@ class KvikioEngine:
             self.mode = "GPUDirect Storage through cuFile"
             _warn_if_unregistered()
 
-    def open(self, path: str) -> Any:
-        return self._kvikio.CuFile(path, "r+")
+    def open(self, path: str, label: str) -> Any:
+        return self._kvikio.CuFile(path, "r+")  # errors name IORequest.path, the label
 
     def close_file(self, handle: Any) -> None:
         handle.close()

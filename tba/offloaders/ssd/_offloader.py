@@ -20,7 +20,8 @@ from tba.offloaders.ssd import _lifecycle
 from tba.offloaders.ssd._checksum import Accumulator, Digest
 from tba.offloaders.ssd._engine import EngineName, IOEngine, IORequest, select_engine
 from tba.offloaders.ssd._posix import ALIGNMENT
-from tba.offloaders.ssd._private_dir import PrivateDir, remove_stale_dirs
+from tba.offloaders.ssd._private_dir import PrivateDir
+from tba.offloaders.ssd._stale_dirs import remove_stale_dirs
 from tba.offloaders.ssd._slabs import Slab, SlabDir
 
 __all__ = ["SSDOffloader", "SSDToken"]

@@ -53,8 +53,8 @@ def _wait_for_copies(device: torch.device) -> None:
 class _File:
     """A slab file opened buffered and, where allowed, with O_DIRECT."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, label: str) -> None:
+        self.path = label  # named in errors and notices; ``path`` may go through /proc/self/fd
         self._lock = threading.Lock()
         self._retired: list[int] = []
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -65,10 +65,10 @@ class _File:
                 self.direct_fd = os.open(path, flags | os.O_DIRECT)
             except OSError as e:
                 _notice_once(
-                    f"open:{os.path.dirname(path)}",
+                    f"open:{os.path.dirname(label)}",
                     "tba SSD offloader: the filesystem of %s refuses O_DIRECT (%s); using buffered "
                     "I/O through the page cache, which costs memory bandwidth and host memory",
-                    os.path.dirname(path),
+                    os.path.dirname(label),
                     e.strerror,
                 )
 
@@ -189,8 +189,8 @@ class PosixEngine:
         self._preadv: Callable[[int, list, int], int] = os.preadv
 
     # --- files -----------------------------------------------------------------------------
-    def open(self, path: str) -> _File:
-        return _File(path)
+    def open(self, path: str, label: str) -> _File:
+        return _File(path, label)
 
     def close_file(self, handle: _File) -> None:
         handle.close()

@@ -162,7 +162,7 @@ class SlabDir:
         self._next_index += 1
         path = os.path.join(self.path, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = self.private_dir.create(name)
         except OSError as e:
             raise io_error(
                 "could not create a slab file", path=path, offset=0, num_bytes=size, errno_code=e.errno,
@@ -173,15 +173,15 @@ class SlabDir:
                 os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
-            handle = self._engine.open(path)
+            handle = self._engine.open(self.private_dir.open_path(name), path)
         except OSError as e:
-            _unlink_quietly(path)
+            self.private_dir.remove_file(name)
             raise io_error(
                 "could not preallocate a slab file", path=path, offset=0, num_bytes=size,
                 errno_code=e.errno, detail=e.strerror or "",
             ) from e
         except BaseException:
-            _unlink_quietly(path)
+            self.private_dir.remove_file(name)
             raise
         slab = Slab(name, path, ExtentAllocator(size, self._alignment), handle)
         self._slabs.append(slab)
@@ -196,15 +196,8 @@ class SlabDir:
                 self._engine.close_file(slab.handle)
             except Exception:  # noqa: BLE001 - closing a handle must not stop the deletion
                 pass
-        self.private_dir.remove([slab.name for slab in slabs])
+        self.private_dir.remove()
 
     def remove_now(self) -> None:
         """Signal/exit path: delete files and directory without closing descriptors or locking."""
-        self.private_dir.remove(self.slab_names, close_marker=False)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+        self.private_dir.remove(close_fds=False)
