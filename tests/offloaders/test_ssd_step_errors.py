@@ -1,0 +1,127 @@
+"""Errors of the SSD offloader reach the training step, and interruptions leave it usable:
+a failed end-of-step reservation, a caught Ctrl-C; path-like ``ssd_dirs``."""
+
+from __future__ import annotations
+
+import errno
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import tba
+from tba.offloaders.ssd._slabs import SlabDir
+from tests import models
+from tests.offloaders.ssd_helpers import run_python
+
+_OPTIONS = dict(
+    offloader="ssd", ssd_engine="posix", offload_devices=("cpu",), min_offload_bytes=0, adaptive=False,
+    keep_last_modules=0, prefetch_modules=0,
+)
+
+
+def _step(model: torch.nn.Module, cache: tba.TensorCache, seed: int) -> None:
+    loss = model(models.vector_batch(seed))
+    cache.wait_for_stores(timeout_s=60)
+    loss.backward()
+
+
+@pytest.mark.parametrize("mode", ["raise", "keep"])
+def test_reservation_enospc_reaches_the_training_step(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = models.Stack(num_blocks=4, width=128)
+    cache = tba.configure_tensor_cache(model, ssd_dirs=(tmp_path,), on_io_error=mode, **_OPTIONS)
+    try:
+        # The drive fills up while step 1 runs: the reservation at its end (adaptive=False:
+        # after the first step) finds too little space.
+        monkeypatch.setattr(SlabDir, "shortfall", lambda self, num_bytes: (64 << 20, 1 << 20))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(model, cache, 0)  # the reservation runs when step 1's last tensor is freed
+            assert cache.stats().offloaded_bytes > 0 and cache.stats().reloaded_bytes > 0
+            if mode == "raise":
+                with pytest.raises(tba.OffloadIOError) as info:
+                    _step(model, cache, 1)
+                assert info.value.errno == errno.ENOSPC
+                assert "not enough free disk space" in str(info.value) and "ssd_dirs" in str(info.value)
+                del info
+            else:
+                _step(model, cache, 1)  # that tensor is kept in memory, with one warning
+                kept = [w for w in caught if "not enough free disk space" in str(w.message)]
+                assert len(kept) == 1 and "on_io_error='keep'" in str(kept[0].message)
+        _step(model, cache, 2)  # raised once: training goes on
+        if mode == "keep":
+            # (In raise mode the cache does not finish the step whose forward raised, so its
+            # counters never reach stats(): a cache-side issue, see the issue 12 closing note.)
+            assert cache.stats(cumulative=True).num_io_errors == 1
+    finally:
+        cache.close()
+
+
+def test_caught_keyboard_interrupt_then_bit_exact_training(tmp_path: Path) -> None:
+    code = f"""
+        import copy, os, signal, torch, tba
+        from tests import models
+        torch.manual_seed(0)
+        reference = models.Stack(num_blocks=4, width=128)
+        model = copy.deepcopy(reference)
+        opt_ref = torch.optim.Adam(reference.parameters(), lr=1e-3)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        cache = tba.configure_tensor_cache(
+            model, offloader="ssd", ssd_engine="posix", ssd_dirs=({str(tmp_path)!r},), offload_devices=("cpu",),
+            min_offload_bytes=0, adaptive=False, keep_last_modules=0, prefetch_modules=0)
+        directory = cache.offloader.directories[0]
+
+        def interrupt(module, args, output):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the forward
+
+        handle = model.blocks[2].register_forward_hook(interrupt)
+        try:
+            model(models.vector_batch(99)).backward()
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        handle.remove()
+        assert os.path.isdir(directory), "a caught Ctrl-C removed the offload directory"
+        offloaded = reloaded = 0
+        for step in range(3):
+            losses = []
+            for net, optimizer in ((reference, opt_ref), (model, opt)):
+                optimizer.zero_grad(set_to_none=True)
+                torch.manual_seed(step)
+                loss = net(models.vector_batch(step))
+                if net is model:
+                    cache.wait_for_stores(timeout_s=60)
+                loss.backward()
+                losses.append(loss.detach())
+            assert torch.equal(losses[0], losses[1]), step
+            for a, b in zip(reference.parameters(), model.parameters()):
+                assert torch.equal(a.grad, b.grad), step
+            opt_ref.step()
+            opt.step()
+            offloaded += cache.stats().offloaded_bytes
+            reloaded += cache.stats().reloaded_bytes
+        cache.close()
+        assert not os.path.exists(directory)
+        print("bit-exact", offloaded > 0 and reloaded > 0, flush=True)
+        """
+    out = run_python(code, cwd=tmp_path, timeout_s=120).stdout.split()
+    assert out[:1] == ["interrupted"] and out[-2:] == ["bit-exact", "True"], out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pathlike_ssd_dirs(tmp_path: Path) -> None:
+    from tests.twin import run_twins
+
+    drives = [tmp_path / "a", tmp_path / "b"]
+    for d in drives:
+        d.mkdir()
+    assert tba.TensorCacheConfig(ssd_dirs=drives).ssd_dirs == tuple(map(str, drives))
+    assert tba.TensorCacheConfig(ssd_dirs=drives[0]).ssd_dirs == (str(drives[0]),)
+    cache = run_twins(lambda: models.Stack(num_blocks=4, width=128), models.vector_batch, steps=3,
+                      ssd_dirs=drives, **_OPTIONS)
+    total = cache.stats(cumulative=True)
+    assert total.offloaded_bytes > 0 and total.reloaded_bytes > 0
+    assert all(list(d.iterdir()) == [] for d in drives)
