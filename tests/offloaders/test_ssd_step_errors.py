@@ -61,9 +61,40 @@ def test_reservation_enospc_reaches_the_training_step(
         cache.close()
 
 
+def test_caught_keyboard_interrupt_leaves_the_offloader_usable(tmp_path: Path) -> None:
+    code = f"""
+        import os, signal, torch
+        from tba.offloaders.ssd import SSDOffloader
+        off = SSDOffloader(dirs=[{str(tmp_path)!r}], engine="posix", slab_bytes=1 << 20)
+        src = torch.arange(100_000, dtype=torch.int64).view(torch.uint8)
+        token = off.store(src)
+        try:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C, through the real signal machinery
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        out = torch.empty_like(src)
+        off.load(token, out)
+        assert torch.equal(out, src) and os.path.isdir(off.directories[0])
+        off.store(src)
+        print(off.directories[0], flush=True)
+        signal.raise_signal(signal.SIGINT)  # uncaught this time: nothing may be left behind
+        """
+    result = run_python(code, cwd=tmp_path, timeout_s=60, check=False)
+    lines = result.stdout.split()
+    assert lines[:1] == ["interrupted"] and len(lines) == 2, (result.stdout, result.stderr)
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cache-side (tba/cache): torch runs always_call forward hooks only for Exception, so "
+    "after a KeyboardInterrupt in forward TensorCache._root_post never runs, _depth stays 1 and "
+    "later steps are never opened or finished (num_steps stays 1); see the issue 12 closing note",
+)
 def test_caught_keyboard_interrupt_then_bit_exact_training(tmp_path: Path) -> None:
     code = f"""
-        import copy, os, signal, torch, tba
+        import copy, gc, signal, torch, tba
         from tests import models
         torch.manual_seed(0)
         reference = models.Stack(num_blocks=4, width=128)
@@ -73,24 +104,21 @@ def test_caught_keyboard_interrupt_then_bit_exact_training(tmp_path: Path) -> No
         cache = tba.configure_tensor_cache(
             model, offloader="ssd", ssd_engine="posix", ssd_dirs=({str(tmp_path)!r},), offload_devices=("cpu",),
             min_offload_bytes=0, adaptive=False, keep_last_modules=0, prefetch_modules=0)
-        directory = cache.offloader.directories[0]
 
         def interrupt(module, args, output):
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the forward
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C in the middle of the forward
 
         handle = model.blocks[2].register_forward_hook(interrupt)
         try:
             model(models.vector_batch(99)).backward()
         except KeyboardInterrupt:
-            print("interrupted", flush=True)
+            pass
         handle.remove()
-        assert os.path.isdir(directory), "a caught Ctrl-C removed the offload directory"
-        offloaded = reloaded = 0
+        gc.collect()  # the interrupted forward's frames (a reference cycle) held its tensors
         for step in range(3):
             losses = []
             for net, optimizer in ((reference, opt_ref), (model, opt)):
                 optimizer.zero_grad(set_to_none=True)
-                torch.manual_seed(step)
                 loss = net(models.vector_batch(step))
                 if net is model:
                     cache.wait_for_stores(timeout_s=60)
@@ -101,14 +129,12 @@ def test_caught_keyboard_interrupt_then_bit_exact_training(tmp_path: Path) -> No
                 assert torch.equal(a.grad, b.grad), step
             opt_ref.step()
             opt.step()
-            offloaded += cache.stats().offloaded_bytes
-            reloaded += cache.stats().reloaded_bytes
+            last = cache.stats()
+            assert last.offloaded_bytes > 0 and last.reloaded_bytes > 0, (step, last)
+        assert cache.stats(cumulative=True).num_steps == 4, cache.stats(cumulative=True)
         cache.close()
-        assert not os.path.exists(directory)
-        print("bit-exact", offloaded > 0 and reloaded > 0, flush=True)
         """
-    out = run_python(code, cwd=tmp_path, timeout_s=120).stdout.split()
-    assert out[:1] == ["interrupted"] and out[-2:] == ["bit-exact", "True"], out
+    run_python(code, cwd=tmp_path, timeout_s=120)
     assert list(tmp_path.iterdir()) == []
 
 

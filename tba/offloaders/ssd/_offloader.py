@@ -9,7 +9,6 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -17,12 +16,13 @@ import torch
 from tba import _env
 from tba.errors import OffloadIOError
 from tba.offloaders.ssd import _lifecycle
-from tba.offloaders.ssd._checksum import Accumulator, Digest
-from tba.offloaders.ssd._engine import EngineName, IOEngine, IORequest, select_engine
+from tba.offloaders.ssd._checksum import Accumulator
+from tba.offloaders.ssd._engine import EngineName, IOEngine, select_engine
 from tba.offloaders.ssd._posix import ALIGNMENT
 from tba.offloaders.ssd._private_dir import PrivateDir
 from tba.offloaders.ssd._stale_dirs import remove_stale_dirs
-from tba.offloaders.ssd._slabs import Slab, SlabDir
+from tba.offloaders.ssd._slabs import SlabDir
+from tba.offloaders.ssd._tokens import Extent, SSDToken, check_digests, check_owned, request_for, summer
 
 __all__ = ["SSDOffloader", "SSDToken"]
 
@@ -32,27 +32,6 @@ _MiB = 1 << 20
 
 Verify = Literal["checksum", "none"]
 _VERIFY_MODES = ("checksum", "none")
-
-
-@dataclass(frozen=True)
-class _Extent:
-    slab_dir: SlabDir
-    slab: Slab
-    file_offset: int
-    start: int  # the byte range [start, stop) of the stored tensor that lives here
-    stop: int
-    serial: int  # the allocation holding [file_offset, ...) of the slab for this token
-
-
-@dataclass(eq=False)
-class SSDToken:
-    """Where one stored tensor's bytes are: one extent per directory it was striped over, and
-    each extent's checksum taken at store time (None with ``verify="none"``)."""
-
-    num_bytes: int
-    extents: tuple[_Extent, ...]
-    digests: tuple[Digest, ...] | None = None
-    released: bool = False
 
 
 class _Resources:
@@ -251,14 +230,14 @@ class SSDOffloader:
         self._check_open()
         _check_bytes(src, "src")
         self._raise_pending()
-        extents: list[_Extent] = []
+        extents: list[Extent] = []
         try:
             for start, stop, slab_dir in self._pieces(src.numel()):
                 slab, offset, serial = slab_dir.allocate(stop - start)
-                extents.append(_Extent(slab_dir, slab, offset, start, stop, serial))
-            requests = [_request(e, src) for e in extents]
+                extents.append(Extent(slab_dir, slab, offset, start, stop, serial))
+            requests = [request_for(e, src) for e in extents]
             sums = [Accumulator() for _ in extents] if self.verify == "checksum" else None
-            self._engine.write(requests, _summer(requests, sums))
+            self._engine.write(requests, summer(requests, sums))
         except BaseException:
             for extent in extents:
                 extent.slab_dir.free(extent.slab, extent.file_offset, extent.serial)
@@ -282,26 +261,13 @@ class SSDOffloader:
             raise ValueError("load() of a released token: its space may hold another tensor now")
         if dst.numel() != token.num_bytes:
             raise ValueError(f"load() into {dst.numel()} bytes, but the token holds {token.num_bytes}")
-        self._check_owned(token)
-        requests = [_request(e, dst) for e in token.extents]
+        check_owned(token)
+        requests = [request_for(e, dst) for e in token.extents]
         sums = None if token.digests is None else [Accumulator() for _ in token.extents]
-        self._engine.read(requests, _summer(requests, sums))
-        self._check_owned(token)  # not handed over while the read ran either
-        if sums is None or token.digests is None:
-            return
-        for extent, expected, accumulator in zip(token.extents, token.digests, sums):
-            found = accumulator.digest()
-            if found != expected:
-                raise OffloadIOError(
-                    "SSD offload: the data on disk changed since it was written (checksum "
-                    f"{found} read, {expected} written); the drive, its connection, or another "
-                    "program writing into this file corrupted it. The activation is lost: this "
-                    "step cannot be completed; check the drive (dmesg, smartctl) and that no "
-                    "other program uses this directory",
-                    path=extent.slab.path,
-                    offset=extent.file_offset,
-                    num_bytes=extent.stop - extent.start,
-                )
+        self._engine.read(requests, summer(requests, sums))
+        check_owned(token)  # not handed over while the read ran either
+        if sums is not None:
+            check_digests(token, sums)
 
     def release(self, token: SSDToken) -> None:
         """Give the token's extents back for reuse. Idempotent; a no-op after close."""
@@ -365,18 +331,6 @@ class SSDOffloader:
         if error is not None:
             raise error
 
-    @staticmethod
-    def _check_owned(token: SSDToken) -> None:
-        for extent in token.extents:
-            if not SlabDir.owns(extent.slab, extent.file_offset, extent.serial):
-                raise OffloadIOError(
-                    "SSD offload: load of an extent that was freed and given to another tensor "
-                    "(tba bug: the token outlived its release); the activation is lost",
-                    path=extent.slab.path,
-                    offset=extent.file_offset,
-                    num_bytes=extent.stop - extent.start,
-                )
-
     def _check_open(self) -> None:
         if self._resources.closed:
             raise OffloadIOError(
@@ -399,21 +353,6 @@ class SSDOffloader:
         for i, start in enumerate(range(0, num_bytes, piece)):
             pieces.append((start, min(start + piece, num_bytes), self._dirs[(first + i) % num_dirs]))
         return pieces
-
-
-def _summer(requests: list[IORequest], sums: list[Accumulator] | None):
-    """The engine's ``on_done``: adds each finished piece to its extent's checksum."""
-    if sums is None:
-        return None
-
-    def on_done(index: int, start: int, stop: int) -> None:
-        sums[index].add(requests[index].buffer[start:stop], start)
-
-    return on_done
-
-
-def _request(extent: _Extent, buffer: torch.Tensor) -> IORequest:
-    return IORequest(extent.slab.handle, extent.slab.path, extent.file_offset, buffer[extent.start : extent.stop])
 
 
 def _check_bytes(tensor: torch.Tensor, what: str) -> None:
