@@ -119,6 +119,7 @@ def test_caught_keyboard_interrupt_then_bit_exact_training(tmp_path: Path) -> No
             losses = []
             for net, optimizer in ((reference, opt_ref), (model, opt)):
                 optimizer.zero_grad(set_to_none=True)
+                torch.manual_seed(step)  # same dropout masks in both
                 loss = net(models.vector_batch(step))
                 if net is model:
                     cache.wait_for_stores(timeout_s=60)
