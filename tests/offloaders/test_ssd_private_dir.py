@@ -151,3 +151,14 @@ def test_private_directory_is_0700_and_files_0600(tmp_path: Path) -> None:
         assert {stat.S_IMODE(p.stat().st_mode) for p in directory.iterdir()} == {0o600}
     finally:
         off.close()
+
+
+def test_directory_replaced_by_an_empty_directory_is_not_removed(tmp_path: Path) -> None:
+    off = SSDOffloader(dirs=(tmp_path,), engine="posix", slab_bytes=1 << 20)
+    off.store(torch.ones(10, dtype=torch.uint8))
+    directory = Path(off.directories[0])
+    moved = tmp_path / "moved-away"
+    os.rename(directory, moved)
+    directory.mkdir()  # someone else's, empty: an rmdir by name would take it
+    off.close()
+    assert directory.is_dir() and list(moved.iterdir()) == []
