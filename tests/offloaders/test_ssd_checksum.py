@@ -3,6 +3,7 @@ and changed by the corruptions it is meant to catch."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,3 +65,27 @@ def test_cuda_digest_equals_cpu_digest() -> None:
     acc.add(data[: 1 << 20].cuda(), 0)
     acc.add(data[1 << 20 :], 1 << 20)  # pieces on different devices combine too
     assert acc.digest() == digest_of(data)
+
+
+def _reference(data: torch.Tensor, first_block: int) -> tuple[int, int]:
+    """The digest's definition, written out plainly in numpy (Note [Checksum choice])."""
+    raw = data.numpy().tobytes()
+    raw += bytes(-len(raw) % BLOCK_BYTES)
+    blocks = np.frombuffer(raw, dtype="<u8").reshape(-1, BLOCK_BYTES // 8)
+    sums = [int(b.sum(dtype=np.uint64)) for b in blocks]  # uint64 sums wrap modulo 2**64
+    mask = (1 << 64) - 1
+    return sum(sums) & mask, sum((first_block + i + 1) * r for i, r in enumerate(sums)) & mask
+
+
+@pytest.mark.parametrize("size", [1, 511, 512, 4096 * 5 + 300, (1 << 20) + 17, (17 << 20) + 3])
+@pytest.mark.parametrize("first_block", [0, 7, 2**40])
+def test_matches_its_definition(size: int, first_block: int) -> None:
+    """Also over the pieces the host splits work into (32768 elements) and past them."""
+    from tba.offloaders.ssd import _checksum
+
+    data = _data(size, seed=size)
+    expected = _reference(data, first_block)
+    assert _checksum._sums_torch(data, first_block, size // BLOCK_BYTES) == expected
+    unaligned = torch.empty(size + 1, dtype=torch.uint8)[1:]
+    unaligned.copy_(data)
+    assert _checksum._sums_torch(unaligned, first_block, size // BLOCK_BYTES) == expected

@@ -72,31 +72,55 @@ class Accumulator:
             return
         first_block = start // BLOCK_BYTES
         num_full = n // BLOCK_BYTES
-        tail = n - num_full * BLOCK_BYTES
-        parts: list[torch.Tensor] = []
-        if num_full:
-            words = _as_words(data[: num_full * BLOCK_BYTES]).view(num_full, _WORDS)
-            sums = words.sum(dim=1)  # int64, wraps modulo 2**64
-            weights = torch.arange(first_block + 1, first_block + num_full + 1, dtype=torch.int64, device=data.device)
-            parts += [sums.sum(), (sums * weights).sum()]
-        if tail:
-            padded = torch.zeros(BLOCK_BYTES, dtype=torch.uint8, device=data.device)
-            padded[:tail] = data[num_full * BLOCK_BYTES :]
-            parts.append(padded.view(torch.int64).sum())
-        values = torch.stack(parts).tolist()  # one synchronisation for the piece
-        if num_full:
-            self._total += values[0]
-            self._weighted += values[1]
-        if tail:
-            last = values[-1]
-            self._total += last
-            self._weighted += (first_block + num_full + 1) * last
-        self._total &= _MASK
-        self._weighted &= _MASK
+        total, weighted = _sums_torch(data, first_block, num_full)
+        self._total = (self._total + total) & _MASK
+        self._weighted = (self._weighted + weighted) & _MASK
         self._num_bytes += n
 
     def digest(self) -> Digest:
         return Digest(self._num_bytes, self._total, self._weighted)
+
+
+# Note [Checksum threads]: torch runs a CPU op on its OpenMP pool once it has GRAIN_SIZE (32768)
+# elements or more, and the pool's threads spin while idle. Next to the engine's I/O threads and
+# the training thread on a busy 2-core machine that made verification cost +140% (once +1150%)
+# of the posix engine's write+read time, where one thread cost about -6..+21% at the same load
+# (io_bandwidth.py, 256 MiB, load average 4-6). torch.set_num_threads cannot help (it changes the
+# setting for threads started later too), and numpy, single-threaded, reached 14 GB/s against
+# 22 GB/s for torch ops on pieces under 32768 elements (8 MiB, cache-warm). So on the host the
+# same torch ops run on pieces of 16384 elements (on the calling thread); on a GPU in one piece.
+_SERIAL_ELEMENTS = 16384  # under GRAIN_SIZE (32768): torch runs the op on the calling thread
+
+
+def _sums_torch(data: torch.Tensor, first_block: int, num_full: int) -> tuple[int, int]:
+    """(sum of block sums, index-weighted sum) of ``data``'s blocks, with torch ops on its device."""
+    parts: list[torch.Tensor] = []
+    if num_full:
+        words = _as_words(data[: num_full * BLOCK_BYTES]).view(num_full, _WORDS)
+        on_host = data.device.type == "cpu"
+        rows = _SERIAL_ELEMENTS // _WORDS if on_host else num_full
+        sums = torch.empty(num_full, dtype=torch.int64, device=data.device)
+        for a in range(0, num_full, rows):
+            torch.sum(words[a : a + rows], dim=1, out=sums[a : a + rows])  # int64, wraps mod 2**64
+        step = _SERIAL_ELEMENTS if on_host else num_full
+        for a in range(0, num_full, step):
+            piece = sums[a : a + step]
+            index = first_block + a
+            weights = torch.arange(index + 1, index + piece.numel() + 1, dtype=torch.int64, device=data.device)
+            parts += [piece.sum(), (piece * weights).sum()]
+    tail = data.numel() - num_full * BLOCK_BYTES
+    if tail:
+        padded = torch.zeros(BLOCK_BYTES, dtype=torch.uint8, device=data.device)
+        padded[:tail] = data[num_full * BLOCK_BYTES :]
+        parts.append(padded.view(torch.int64).sum())
+    values = torch.stack(parts).tolist()  # one synchronisation for the piece
+    pairs = values[: len(values) - 1] if tail else values
+    total, weighted = sum(pairs[0::2]), sum(pairs[1::2])
+    if tail:
+        last = values[-1]
+        total += last
+        weighted += (first_block + num_full + 1) * last
+    return total & _MASK, weighted & _MASK
 
 
 def _as_words(data: torch.Tensor) -> torch.Tensor:
