@@ -294,7 +294,10 @@ class SSDOffloader:
         try:
             self._reserve(num_bytes)
         except OffloadIOError as e:
-            logger.warning("tba: %s (raised by the next store)", e)
+            # The text, not the exception: a log handler keeping records (pytest's caplog) would
+            # otherwise keep the exception, and with it the traceback of the training step it is
+            # raised in later, with that step's tensors.
+            logger.warning("tba: %s (raised by the next store)", str(e))
             with self._lock:
                 self._pending_error = e
 
