@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write/read bandwidth of the SSD offloader's I/O engines against a raw O_DIRECT baseline.
+"""Write/read/verify bandwidth of the SSD offloader's I/O engines against a raw O_DIRECT baseline.
 
 Command lines (run from the repository root, venv active):
 
@@ -26,7 +26,12 @@ to the raw run just before it, which drift affects less). ``raw_odirect`` is one
 ``os.pwrite``/``os.preadv`` call on a page-aligned, pre-faulted mmap buffer into a preallocated
 file opened with O_DIRECT. An engine stores a pre-faulted CPU tensor through
 ``SSDOffloader.store`` and loads it back with ``load`` (slab preallocated and staging buffers
-made by a warm-up round, then reused, as in training). All files live in --dir.
+made by a warm-up round, then reused, as in training), once with ``verify="none"`` (row
+``<engine>``) and once with ``verify="checksum"`` (row ``<engine>+checksum``: checksum taken at
+store, checked at load). Row ``checksum`` times the checksum alone over the same bytes on
+--device (its "verify GB/s"). The last lines give what verification adds to an engine's
+write+read time: ``(t_write + t_read with checksum) / (without) - 1``, median of per-run ratios.
+All files live in --dir.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tba import _env  # noqa: E402
 from tba.offloaders.ssd import SSDOffloader  # noqa: E402
+from tba.offloaders.ssd._checksum import digest_of  # noqa: E402
 from _environment import cpu_name  # noqa: E402
 
 _MiB = 1 << 20
@@ -115,6 +121,9 @@ def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
         "filesystem": _filesystem_of(args.dir),
         "free_bytes": stat.f_bavail * stat.f_frsize,
         "tensor_device": args.device,
+        # Other work on the machine slows the checksum (CPU) more than the disk: say how busy it was.
+        "loadavg_1_5_15min": [round(x, 2) for x in os.getloadavg()],
+        "torch_threads": torch.get_num_threads(),
         "command": shlex.join([sys.executable, *argv]),
     }
 
@@ -163,15 +172,35 @@ class RawODirect:
         os.unlink(self.path)
 
 
-class Engine:
-    """``SSDOffloader.store``/``load`` of a pre-faulted CPU tensor."""
+class ChecksumOnly:
+    """The verification checksum alone over ``num_bytes`` on --device ("write" and "read" both
+    time one checksum, so its row lines up with the others)."""
 
-    def __init__(self, engine: str, directory: str, num_bytes: int, args: argparse.Namespace) -> None:
-        self.name = engine
+    name = "checksum"
+
+    def __init__(self, num_bytes: int, args: argparse.Namespace) -> None:
+        self.data = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8).to(args.device)
+        digest_of(self.data)  # warm-up
+
+    def write(self) -> None:
+        digest_of(self.data)
+
+    def read(self) -> None:
+        digest_of(self.data)
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """``SSDOffloader.store``/``load`` of a pre-faulted tensor, with or without verification."""
+
+    def __init__(self, engine: str, directory: str, num_bytes: int, args: argparse.Namespace, verify: str) -> None:
+        self.name = engine if verify == "none" else f"{engine}+{verify}"
         self.offloader = SSDOffloader(
             dirs=(directory,), engine=engine, slab_bytes=-(-num_bytes // 4096) * 4096,
             chunk_bytes=args.chunk_mib * _MiB, num_io_threads=args.io_threads,
-            num_staging_buffers=2 * args.io_threads,
+            num_staging_buffers=2 * args.io_threads, verify=verify,  # type: ignore[arg-type]
         )
         self.src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8).to(args.device)
         self.dst = torch.zeros(num_bytes, dtype=torch.uint8, device=args.device)  # pre-faulted
@@ -210,14 +239,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
     print("# io_bandwidth environment")
     for key, value in env.items():
         print(f"#   {key}: {value}")
-    methods: list[RawODirect | Engine] = [RawODirect(args.dir, num_bytes)]
+    methods: list[RawODirect | Engine | ChecksumOnly] = [RawODirect(args.dir, num_bytes), ChecksumOnly(num_bytes, args)]
     errors: dict[str, str] = {}
     for engine in engines:
-        try:
-            methods.append(Engine(engine, args.dir, num_bytes, args))
-        except Exception as e:  # noqa: BLE001 - an engine unusable here is reported, not fatal
-            errors[engine] = f"{type(e).__name__}: {e}"
-            print(f"# {engine}: skipped ({errors[engine]})")
+        for verify in ("none", "checksum"):
+            try:
+                methods.append(Engine(engine, args.dir, num_bytes, args, verify))
+            except Exception as e:  # noqa: BLE001 - an engine unusable here is reported, not fatal
+                errors[engine] = f"{type(e).__name__}: {e}"
+                print(f"# {engine}: skipped ({errors[engine]})")
+                break
     samples = {m.name: {"write": [], "read": []} for m in methods}
     try:
         for _ in range(args.runs):
@@ -243,22 +274,43 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
         for op in ("write", "read"):
             ratios = [a / b for a, b in zip(samples[name][op], samples["raw_odirect"][op])]
             result[f"{op}_vs_raw_paired"] = statistics.median(ratios)
+    results["checksum"]["verify_bytes_per_s"] = statistics.median(
+        samples["checksum"]["write"] + samples["checksum"]["read"]
+    )
+    overheads: dict[str, float] = {}
+    for name in list(samples):
+        checked = f"{name}+checksum"
+        if checked in samples:
+            # Per run: (t_write + t_read) with verification over without, minus one.
+            ratios = [
+                (1 / cw + 1 / cr) / (1 / w + 1 / r) - 1
+                for w, r, cw, cr in zip(
+                    samples[name]["write"], samples[name]["read"], samples[checked]["write"], samples[checked]["read"]
+                )
+            ]
+            overheads[name] = statistics.median(ratios)
+            results[checked]["verify_overhead"] = overheads[name]
     for name, error in errors.items():
         results[name] = {"error": error}
     report = {"environment": env, "num_bytes": num_bytes, "runs": args.runs, "results": results}
     print(
-        f"{'method':<12} {'write GB/s':>11} {'read GB/s':>10} {'write/raw':>10} {'read/raw':>9} "
-        f"{'paired w':>9} {'paired r':>9}"
+        f"{'method':<16} {'write GB/s':>11} {'read GB/s':>10} {'verify GB/s':>12} {'write/raw':>10} "
+        f"{'read/raw':>9} {'paired w':>9} {'paired r':>9}"
     )
     for name, result in results.items():
         if "error" in result:
-            print(f"{name:<12} {'error':>11}")
+            print(f"{name:<16} {'error':>11}")
+            continue
+        if name == "checksum":
+            print(f"{name:<16} {'':>11} {'':>10} {result['verify_bytes_per_s'] / 1e9:>12.2f}")
             continue
         print(
-            f"{name:<12} {result['write_bytes_per_s'] / 1e9:>11.2f} {result['read_bytes_per_s'] / 1e9:>10.2f} "
-            f"{result['write_vs_raw']:>10.2f} {result['read_vs_raw']:>9.2f} "
+            f"{name:<16} {result['write_bytes_per_s'] / 1e9:>11.2f} {result['read_bytes_per_s'] / 1e9:>10.2f} "
+            f"{'':>12} {result['write_vs_raw']:>10.2f} {result['read_vs_raw']:>9.2f} "
             f"{result['write_vs_raw_paired']:>9.2f} {result['read_vs_raw_paired']:>9.2f}"
         )
+    for name, overhead in overheads.items():
+        print(f"# verify='checksum' adds {overhead * 100:+.1f}% to {name}'s write+read time (median of per-run ratios)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

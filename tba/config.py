@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -15,6 +16,7 @@ __all__ = ["TensorCacheConfig"]
 
 _OFFLOADER_NAMES = ("host", "ssd", "none")
 _SSD_ENGINES = ("auto", "kvikio", "posix")
+_VERIFY_MODES = ("checksum", "none")
 _IO_ERROR_MODES = ("raise", "keep")
 _PIPELINES = ("auto", "torch", "megatron", "deepspeed")
 _KNOWN_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "meta", "privateuseone")
@@ -53,10 +55,14 @@ class TensorCacheConfig:
             ``adaptive`` is on.
         on_io_error: ``"raise"`` raises :class:`tba.OffloadIOError` in the training step;
             ``"keep"`` keeps the tensor in memory, warns once and carries on.
-        ssd_dirs: directories for ``offloader="ssd"`` (tensors are striped across them);
-            ``None`` uses ``TBA_SSD_DIR`` or the system temp dir.
+        ssd_dirs: directories for ``offloader="ssd"`` (tensors are striped across them), as
+            ``str`` or path-like; ``None`` uses ``TBA_SSD_DIR`` or the system temp dir.
         ssd_engine: ``"auto"``, ``"kvikio"`` (GPUDirect Storage or its compat mode) or
             ``"posix"``.
+        verify: ``"checksum"``: every reload from SSD is checked against a checksum taken when
+            it was stored, and a mismatch raises :class:`tba.OffloadIOError` in the training
+            step (in both ``on_io_error`` modes); ``"none"``: not checked (see docs/ssd.md).
+            The host offloader's bytes never leave process memory; it does not checksum.
         pipeline: which pipeline engine feeds stage hints: ``"auto"`` (whichever patched
             engine is importable), ``"torch"``, ``"megatron"``, ``"deepspeed"``, or ``None``.
 
@@ -81,6 +87,7 @@ class TensorCacheConfig:
     on_io_error: Literal["raise", "keep"] = "raise"
     ssd_dirs: tuple[str, ...] | None = None
     ssd_engine: Literal["auto", "kvikio", "posix"] = "auto"
+    verify: Literal["checksum", "none"] = "checksum"
     pipeline: Literal["auto", "torch", "megatron", "deepspeed"] | None = None
 
     def __post_init__(self) -> None:
@@ -88,10 +95,13 @@ class TensorCacheConfig:
         # stays hashable. A lone string is one item ("cpu" -> ("cpu",)), never its characters.
         for name in ("offload_devices", "skip_modules", "block_modules", "ssd_dirs"):
             value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, (value,))
+            if isinstance(value, (str, os.PathLike)):
+                value = (value,)
             elif isinstance(value, Sequence) and not isinstance(value, tuple):
-                object.__setattr__(self, name, tuple(value))
+                value = tuple(value)
+            if name == "ssd_dirs" and isinstance(value, tuple):
+                value = tuple(os.fspath(d) if isinstance(d, os.PathLike) else d for d in value)
+            object.__setattr__(self, name, value)
         problems = list(self._problems())
         if problems:
             raise ValueError(
@@ -152,10 +162,13 @@ class TensorCacheConfig:
             or not all(isinstance(d, str) and d for d in self.ssd_dirs)
         ):
             out.append(
-                f"ssd_dirs={self.ssd_dirs!r}: expected None or a non-empty tuple of directory paths"
+                f"ssd_dirs={self.ssd_dirs!r}: expected None or a non-empty tuple of directory paths "
+                "(str or path-like)"
             )
         if self.ssd_engine not in _SSD_ENGINES:
             out.append(f"ssd_engine={self.ssd_engine!r}: expected one of {_SSD_ENGINES}")
+        if self.verify not in _VERIFY_MODES:
+            out.append(f"verify={self.verify!r}: expected one of {_VERIFY_MODES}")
         if self.pipeline is not None and self.pipeline not in _PIPELINES:
             out.append(f"pipeline={self.pipeline!r}: expected None or one of {_PIPELINES}")
         return out

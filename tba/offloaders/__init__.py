@@ -24,6 +24,6 @@ def make_offloader(config: TensorCacheConfig, *, rank: int | None = None) -> Off
     if choice == "ssd":
         from tba.offloaders.ssd import SSDOffloader
 
-        return SSDOffloader(dirs=config.ssd_dirs, engine=config.ssd_engine, rank=rank)
+        return SSDOffloader(dirs=config.ssd_dirs, engine=config.ssd_engine, rank=rank, verify=config.verify)
     assert not isinstance(choice, str), f"unvalidated offloader {choice!r}"
     return choice

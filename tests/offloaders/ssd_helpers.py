@@ -186,3 +186,65 @@ def tmpfs_wrapper(mount_point: Path, options: str) -> list[str]:
         pytest.skip(f"cannot mount a tmpfs in a private mount namespace here: {probe.stderr.decode().strip()}")
     return [unshare, "-m", "sh", "-c", f'mount -t tmpfs -o {options} tmpfs "$0" && exec "$1" -c "$2"',
             str(mount_point), "{python}", "{code}"]
+
+
+# --- silent corruption ------------------------------------------------------------------------
+
+TAMPER_KINDS = ("bit_flip", "garbage", "zeroed_range", "truncated", "swapped_extents")
+
+
+def tamper(kind: str, token, other=None) -> None:
+    """Change the bytes of ``token``'s first extent on disk behind the offloader's back, the way
+    a flaky drive or another program would. ``other`` (a token of the same size) is needed for
+    ``swapped_extents``. Written with fsync, so O_DIRECT reads see it."""
+    extent = token.extents[0]
+    path, offset, size = extent.slab.path, extent.file_offset, extent.stop - extent.start
+    with open(path, "r+b", buffering=0) as f:
+        if kind == "bit_flip":
+            f.seek(offset + size // 2)
+            byte = f.read(1)[0]
+            f.seek(offset + size // 2)
+            f.write(bytes([byte ^ 0x10]))
+        elif kind == "garbage":
+            f.seek(offset)
+            f.write(os.urandom(size))
+        elif kind == "zeroed_range":
+            f.seek(offset + size // 4)
+            f.write(bytes(min(4096, size // 2)))
+        elif kind == "truncated":
+            length = os.fstat(f.fileno()).st_size
+            f.truncate(0)
+            f.truncate(length)
+        elif kind == "swapped_extents":
+            second = other.extents[0]
+            assert second.stop - second.start == size, "swap needs tokens of one size"
+            with open(second.slab.path, "r+b", buffering=0) as g:
+                f.seek(offset)
+                mine = f.read(size)
+                g.seek(second.file_offset)
+                theirs = g.read(size)
+                assert mine != theirs
+                f.seek(offset)
+                f.write(theirs)
+                g.seek(second.file_offset)
+                g.write(mine)
+                os.fsync(g.fileno())
+        else:
+            raise ValueError(f"unknown tamper kind {kind!r}")
+        os.fsync(f.fileno())
+
+
+def tamper_every_extent(offloader) -> int:
+    """Flip one bit in every extent the offloader holds now; returns how many were changed."""
+    changed = 0
+    for slab_dir in offloader._dirs:
+        for slab in list(slab_dir._slabs):
+            with open(slab.path, "r+b", buffering=0) as f:
+                for offset in list(slab.owners):
+                    f.seek(offset)
+                    byte = f.read(1)[0]
+                    f.seek(offset)
+                    f.write(bytes([byte ^ 0x01]))
+                    changed += 1
+                os.fsync(f.fileno())
+    return changed

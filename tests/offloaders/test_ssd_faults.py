@@ -193,7 +193,8 @@ def test_full_drive_gives_enospc(tmp_path: Path) -> None:
         off = SSDOffloader(dirs=[{str(mount_point)!r}], engine="posix", slab_bytes=1 << 20)
         tokens = []
         full = report(lambda: [tokens.append(off.store(torch.ones(1 << 20, dtype=torch.uint8))) for _ in range(8)])
-        reserve = report(lambda: off.reserve(64 << 20))
+        off.reserve(64 << 20)  # kept for the next store, which raises it
+        reserve = report(lambda: off.store(torch.ones(10, dtype=torch.uint8)))
         for t in tokens:
             off.release(t)
         again = off.store(torch.ones(1 << 20, dtype=torch.uint8))  # space came back

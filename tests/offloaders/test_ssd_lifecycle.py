@@ -127,3 +127,39 @@ def test_forked_child_never_removes_the_parents_directory(tmp_path: Path) -> Non
     )
     assert run_python(code, cwd=tmp_path).stdout.strip() == "ok"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unclosed_offloader_is_collected_with_its_directory_fds_and_threads(tmp_path: Path) -> None:
+    import gc
+    import threading
+
+    import torch
+
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    threads_before, fds_before = set(threading.enumerate()), fds()
+    off = SSDOffloader(dirs=(tmp_path,), engine="posix", slab_bytes=1 << 20, chunk_bytes=64 << 10)
+    token = off.store(torch.zeros(1 << 20, dtype=torch.uint8))  # a slab, staging, I/O threads
+    directory = off.directories[0]
+    own_threads = set(threading.enumerate()) - threads_before
+    assert own_threads and os.path.isdir(directory) and len(fds() - fds_before) >= 3
+    off.cycle = off  # only the cyclic garbage collector can free it
+    off.token = token
+    registered = len(_lifecycle._entries)
+    del off, token
+    gc.collect()
+    assert not os.path.exists(directory)
+    assert list(tmp_path.iterdir()) == []
+    assert not any(t.is_alive() for t in own_threads)
+    assert fds() - fds_before == set()
+    assert len(_lifecycle._entries) == registered - 1
+
+
+def test_sigint_handler_is_left_to_python(tmp_path: Path) -> None:
+    off = SSDOffloader(dirs=(tmp_path,), engine="posix")
+    try:
+        # A caught KeyboardInterrupt must not close the offloader: no handler of ours on SIGINT.
+        assert signal.getsignal(signal.SIGINT) is not _lifecycle._on_signal
+    finally:
+        off.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -17,7 +17,7 @@ import torch
 
 from tba.errors import OffloadIOError
 
-__all__ = ["EngineName", "IORequest", "IOEngine", "select_engine", "io_error"]
+__all__ = ["EngineName", "IORequest", "IOEngine", "OnDone", "select_engine", "io_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,24 +54,33 @@ class IORequest:
     buffer: torch.Tensor  # 1-D contiguous uint8; source of a write, destination of a read
 
 
+# ``on_done(i, start, stop)``: bytes ``[start, stop)`` of ``requests[i].buffer`` are final: for a
+# read they have landed in the buffer, for a write they are being written (the source must not
+# change until the call returns anyway). Called on the calling thread, while later parts may
+# still be in flight, so a checksum of them overlaps with the I/O; every byte is reported once.
+OnDone = Callable[[int, int, int], None]
+
+
 class IOEngine(Protocol):
     """Moves bytes between tensors and slab files. Blocking and thread-safe."""
 
     name: str
 
-    def open(self, path: str) -> Any:
-        """Open an existing, preallocated slab file; return the handle requests carry."""
+    def open(self, path: str, label: str) -> Any:
+        """Open an existing, preallocated slab file at ``path`` (which may resolve through a
+        held directory handle); ``label`` is the path errors name. Return the handle requests
+        carry."""
         ...
 
     def close_file(self, handle: Any) -> None:
         """Close a handle from :meth:`open`."""
         ...
 
-    def write(self, requests: Sequence[IORequest]) -> None:
+    def write(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
         """Write every request's buffer; raise ``OffloadIOError`` after all have finished."""
         ...
 
-    def read(self, requests: Sequence[IORequest]) -> None:
+    def read(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
         """Fill every request's buffer; raise ``OffloadIOError`` after all have finished."""
         ...
 

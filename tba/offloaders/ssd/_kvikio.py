@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tba.offloaders.ssd._engine import IORequest, io_error
+from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
 
 __all__ = ["KvikioEngine"]
 
@@ -79,8 +79,8 @@ class KvikioEngine:
             self.mode = "GPUDirect Storage through cuFile"
             _warn_if_unregistered()
 
-    def open(self, path: str) -> Any:
-        return self._kvikio.CuFile(path, "r+")
+    def open(self, path: str, label: str) -> Any:
+        return self._kvikio.CuFile(path, "r+")  # errors name IORequest.path, the label
 
     def close_file(self, handle: Any) -> None:
         handle.close()
@@ -88,13 +88,18 @@ class KvikioEngine:
     def close(self) -> None:
         pass
 
-    def write(self, requests: Sequence[IORequest]) -> None:
-        self._run(requests, is_write=True)
+    def write(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
+        # The source does not change during the call: checksum it while kvikio writes.
+        self._run(requests, is_write=True, on_done=on_done)
 
-    def read(self, requests: Sequence[IORequest]) -> None:
-        self._run(requests, is_write=False)
+    def read(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
+        self._run(requests, is_write=False, on_done=None)
+        # kvikio reports no progress inside a request: the whole read is checked afterwards.
+        if on_done is not None:
+            for i, request in enumerate(requests):
+                on_done(i, 0, request.buffer.numel())
 
-    def _run(self, requests: Sequence[IORequest], is_write: bool) -> None:
+    def _run(self, requests: Sequence[IORequest], is_write: bool, on_done: OnDone | None) -> None:
         op = "write" if is_write else "read"
         # kvikio copies on its own stream: everything queued on ours (the producer's event
         # wait, or an earlier use of the destination's memory) must be done first.
@@ -115,6 +120,12 @@ class KvikioEngine:
                 error = self._wrap(e, op, request)
                 break
             pending.append((request, buffer, future))
+        if on_done is not None and error is None:
+            try:
+                for i, request in enumerate(requests):
+                    on_done(i, 0, request.buffer.numel())
+            except BaseException as e:  # noqa: BLE001 - raised once every future is done
+                error = e
         for request, _buffer, future in pending:
             try:
                 count = future.get()

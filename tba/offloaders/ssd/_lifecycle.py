@@ -2,7 +2,19 @@
 
 One process-wide registry of cleanup callbacks. The ``atexit`` hook and the signal handlers are
 installed when the first offloader registers (never at import) and the signal handlers are put
-back when the last one unregisters. Handlers chain to whatever was installed before them.
+back when the last one unregisters.
+
+Note [Signals that do not end the process]: a handler is installed only for a signal whose
+current disposition is ``SIG_DFL``, i.e. one that would kill the process without running
+``atexit``; it removes the directories and dies by the signal again. A signal with a Python
+handler (SIGINT's ``default_int_handler``, a training script's SIGTERM handler that saves a
+checkpoint) is left to that handler: it may raise ``KeyboardInterrupt`` that a notebook catches,
+or let training finish, and the offloader must stay usable; if the process does end, it ends
+through ``atexit`` (uncaught exception, ``sys.exit``), which removes the directories.
+
+The registry holds callbacks of ``_Resources`` objects, never an offloader, so an offloader that
+is dropped without ``close()`` is still collected; its ``weakref.finalize`` closes it and
+unregisters the callback.
 """
 
 from __future__ import annotations
@@ -68,9 +80,9 @@ def _install_signal_handlers() -> None:
         if signum in _installed:
             continue
         current = signal.getsignal(signum)
-        if current is signal.SIG_IGN or current is None:
-            # Ignored signals do not end the process; a handler not set from Python (None)
-            # cannot be chained to.
+        if current is not signal.SIG_DFL:
+            # Ignored, handled in Python, or set outside Python (None): not ours to take over;
+            # see Note [Signals that do not end the process].
             continue
         _previous[signum] = current
         signal.signal(signum, _on_signal)
@@ -100,11 +112,8 @@ def _run_all() -> None:
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """Installed only over ``SIG_DFL``: clean up, then die the way the signal would have killed
+    us (exit status, core dump policy)."""
     _run_all()
-    previous = _previous.get(signum, signal.SIG_DFL)
-    if callable(previous):
-        previous(signum, frame)
-    elif previous is signal.SIG_DFL:
-        # Die the way the signal would have killed us (exit status, core dump policy).
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

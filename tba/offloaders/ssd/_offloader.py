@@ -9,17 +9,20 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from tba import _env
 from tba.errors import OffloadIOError
 from tba.offloaders.ssd import _lifecycle
-from tba.offloaders.ssd._engine import EngineName, IOEngine, IORequest, select_engine
+from tba.offloaders.ssd._checksum import Accumulator
+from tba.offloaders.ssd._engine import EngineName, IOEngine, select_engine
 from tba.offloaders.ssd._posix import ALIGNMENT
-from tba.offloaders.ssd._private_dir import PrivateDir, remove_stale_dirs
-from tba.offloaders.ssd._slabs import Slab, SlabDir
+from tba.offloaders.ssd._private_dir import PrivateDir
+from tba.offloaders.ssd._stale_dirs import remove_stale_dirs
+from tba.offloaders.ssd._slabs import SlabDir
+from tba.offloaders.ssd._tokens import Extent, SSDToken, check_digests, check_owned, request_for, summer
 
 __all__ = ["SSDOffloader", "SSDToken"]
 
@@ -27,23 +30,8 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 
-
-@dataclass(frozen=True)
-class _Extent:
-    slab_dir: SlabDir
-    slab: Slab
-    file_offset: int
-    start: int  # the byte range [start, stop) of the stored tensor that lives here
-    stop: int
-
-
-@dataclass(eq=False)
-class SSDToken:
-    """Where one stored tensor's bytes are: one extent per directory it was striped over."""
-
-    num_bytes: int
-    extents: tuple[_Extent, ...]
-    released: bool = False
+Verify = Literal["checksum", "none"]
+_VERIFY_MODES = ("checksum", "none")
 
 
 class _Resources:
@@ -74,9 +62,16 @@ class _Resources:
 
 
 def _validate(
-    dirs: tuple[str, ...], engine: str, rank: int | None, sizes: dict[str, int], expected_bytes: int | None
+    dirs: tuple[str, ...],
+    engine: str,
+    rank: int | None,
+    sizes: dict[str, int],
+    expected_bytes: int | None,
+    verify: str,
 ) -> None:
     problems = []
+    if verify not in _VERIFY_MODES:
+        problems.append(f"verify must be one of {_VERIFY_MODES}, got {verify!r}")
     if not dirs:
         problems.append("ssd_dirs is empty: give at least one directory (or None for the default)")
     if any(not isinstance(d, str | os.PathLike) or not str(d) for d in dirs):
@@ -126,6 +121,11 @@ class SSDOffloader:
         num_io_threads: posix engine I/O threads (transfers in flight per call).
         num_staging_buffers: posix engine staging buffers shared by all calls.
         expected_bytes: if given, :meth:`reserve` it now, so lack of space fails here.
+        verify: ``"checksum"`` (default): every extent's checksum is taken at store time and
+            checked on every load, so bytes that changed on disk raise ``OffloadIOError``
+            instead of reaching backward (see Note [Checksum choice]); ``"none"``: not checked.
+            Either way, a load through an extent that was freed and given to another tensor
+            raises.
 
     Raises:
         ValueError: bad settings, or a directory that is missing or not writable.
@@ -152,6 +152,7 @@ class SSDOffloader:
         num_io_threads: int = 4,
         num_staging_buffers: int = 8,
         expected_bytes: int | None = None,
+        verify: Verify = "checksum",
     ) -> None:
         if dirs is None:
             dirs = _env.ssd_dirs() or (tempfile.gettempdir(),)
@@ -159,8 +160,12 @@ class SSDOffloader:
             dirs = (dirs,)
         parents = tuple(os.fspath(d) for d in dirs)
         sizes = {"slab_bytes": slab_bytes, "stripe_min_bytes": stripe_min_bytes, "chunk_bytes": chunk_bytes}
-        _validate(parents, engine, rank, sizes, expected_bytes)
+        _validate(parents, engine, rank, sizes, expected_bytes, verify)
+        self.verify: Verify = verify
         self._stripe_min_bytes = stripe_min_bytes
+        # A reservation failure raised where no one sees it (the cache reserves at the end of
+        # a step, inside a destructor) is raised again by the next store: see reserve().
+        self._pending_error: OffloadIOError | None = None
         self._lock = threading.Lock()
         self._next_dir = 0
         for parent in parents:
@@ -185,7 +190,7 @@ class SSDOffloader:
         logger.debug("tba SSD offloader: directories %s", self.directories)
         if expected_bytes:
             try:
-                self.reserve(expected_bytes)
+                self._reserve(expected_bytes)
             except BaseException:
                 self.close()
                 raise
@@ -219,27 +224,34 @@ class SSDOffloader:
         """Write every byte of ``src`` (1-D contiguous uint8) to the drives; return its token.
 
         Raises:
-            tba.OffloadIOError: the write failed (path, offset, bytes and errno attached).
+            tba.OffloadIOError: the write failed (path, offset, bytes and errno attached), or the
+                last :meth:`reserve` found too little disk space (raised here, once).
         """
         self._check_open()
         _check_bytes(src, "src")
-        extents: list[_Extent] = []
+        self._raise_pending()
+        extents: list[Extent] = []
         try:
             for start, stop, slab_dir in self._pieces(src.numel()):
-                slab, offset = slab_dir.allocate(stop - start)
-                extents.append(_Extent(slab_dir, slab, offset, start, stop))
-            self._engine.write([_request(e, src) for e in extents])
+                slab, offset, serial = slab_dir.allocate(stop - start)
+                extents.append(Extent(slab_dir, slab, offset, start, stop, serial))
+            requests = [request_for(e, src) for e in extents]
+            sums = [Accumulator() for _ in extents] if self.verify == "checksum" else None
+            self._engine.write(requests, summer(requests, sums))
         except BaseException:
             for extent in extents:
-                extent.slab_dir.free(extent.slab, extent.file_offset)
+                extent.slab_dir.free(extent.slab, extent.file_offset, extent.serial)
             raise
-        return SSDToken(src.numel(), tuple(extents))
+        digests = None if sums is None else tuple(a.digest() for a in sums)
+        return SSDToken(src.numel(), tuple(extents), digests)
 
     def load(self, token: SSDToken, dst: torch.Tensor) -> None:
         """Fill ``dst`` (1-D contiguous uint8 of the stored size) with the bytes of ``token``.
 
         Raises:
-            tba.OffloadIOError: the read failed (path, offset, bytes and errno attached).
+            tba.OffloadIOError: the read failed (path, offset, bytes and errno attached); the
+                bytes read differ from those written (checksum mismatch); or an extent of the
+                token was freed and given to another tensor.
         """
         self._check_open()
         _check_bytes(dst, "dst")
@@ -249,7 +261,13 @@ class SSDOffloader:
             raise ValueError("load() of a released token: its space may hold another tensor now")
         if dst.numel() != token.num_bytes:
             raise ValueError(f"load() into {dst.numel()} bytes, but the token holds {token.num_bytes}")
-        self._engine.read([_request(e, dst) for e in token.extents])
+        check_owned(token)
+        requests = [request_for(e, dst) for e in token.extents]
+        sums = None if token.digests is None else [Accumulator() for _ in token.extents]
+        self._engine.read(requests, summer(requests, sums))
+        check_owned(token)  # not handed over while the read ran either
+        if sums is not None:
+            check_digests(token, sums)
 
     def release(self, token: SSDToken) -> None:
         """Give the token's extents back for reuse. Idempotent; a no-op after close."""
@@ -260,16 +278,30 @@ class SSDOffloader:
         if self._resources.closed:
             return
         for extent in token.extents:
-            extent.slab_dir.free(extent.slab, extent.file_offset)
+            extent.slab_dir.free(extent.slab, extent.file_offset, extent.serial)
 
     def reserve(self, num_bytes: int) -> None:
         """Preallocate slab space for ``num_bytes`` held at once, spread over the directories.
 
-        Raises:
-            tba.OffloadIOError: (errno ENOSPC) the drives cannot hold it; the message gives the
-                numbers per directory.
+        Raises nothing itself: the cache calls this at the end of a step, inside a destructor,
+        where an exception would be printed and lost. When the drives cannot hold it, the
+        ``OffloadIOError`` (errno ENOSPC, numbers per directory) is logged and raised by the
+        next :meth:`store`, once; the cache re-raises that in the training step (with
+        ``on_io_error="keep"`` it keeps that tensor in memory and warns). To fail at once,
+        pass ``expected_bytes`` to the constructor.
         """
         self._check_open()
+        try:
+            self._reserve(num_bytes)
+        except OffloadIOError as e:
+            # The text, not the exception: a log handler keeping records (pytest's caplog) would
+            # otherwise keep the exception, and with it the traceback of the training step it is
+            # raised in later, with that step's tensors.
+            logger.warning("tba: %s (raised by the next store)", str(e))
+            with self._lock:
+                self._pending_error = e
+
+    def _reserve(self, num_bytes: int) -> None:
         if num_bytes <= 0:
             return
         per_dir = -(-num_bytes // len(self._dirs))
@@ -296,6 +328,12 @@ class SSDOffloader:
         self._resources.close()
 
     # --- internals -------------------------------------------------------------------------
+    def _raise_pending(self) -> None:
+        with self._lock:
+            error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise error
+
     def _check_open(self) -> None:
         if self._resources.closed:
             raise OffloadIOError(
@@ -318,10 +356,6 @@ class SSDOffloader:
         for i, start in enumerate(range(0, num_bytes, piece)):
             pieces.append((start, min(start + piece, num_bytes), self._dirs[(first + i) % num_dirs]))
         return pieces
-
-
-def _request(extent: _Extent, buffer: torch.Tensor) -> IORequest:
-    return IORequest(extent.slab.handle, extent.slab.path, extent.file_offset, buffer[extent.start : extent.stop])
 
 
 def _check_bytes(tensor: torch.Tensor, what: str) -> None:

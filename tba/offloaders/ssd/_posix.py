@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tba.offloaders.ssd._engine import IORequest, io_error
+from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
 
 __all__ = ["PosixEngine", "ALIGNMENT"]
 
@@ -53,8 +53,8 @@ def _wait_for_copies(device: torch.device) -> None:
 class _File:
     """A slab file opened buffered and, where allowed, with O_DIRECT."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, label: str) -> None:
+        self.path = label  # named in errors and notices; ``path`` may go through /proc/self/fd
         self._lock = threading.Lock()
         self._retired: list[int] = []
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -65,10 +65,10 @@ class _File:
                 self.direct_fd = os.open(path, flags | os.O_DIRECT)
             except OSError as e:
                 _notice_once(
-                    f"open:{os.path.dirname(path)}",
+                    f"open:{os.path.dirname(label)}",
                     "tba SSD offloader: the filesystem of %s refuses O_DIRECT (%s); using buffered "
                     "I/O through the page cache, which costs memory bandwidth and host memory",
-                    os.path.dirname(path),
+                    os.path.dirname(label),
                     e.strerror,
                 )
 
@@ -156,6 +156,7 @@ class _StagingPool:
 
 @dataclass
 class _Chunk:
+    index: int  # of the request in the call
     request: IORequest
     start: int  # byte range [start, stop) of request.buffer
     stop: int
@@ -188,8 +189,8 @@ class PosixEngine:
         self._preadv: Callable[[int, list, int], int] = os.preadv
 
     # --- files -----------------------------------------------------------------------------
-    def open(self, path: str) -> _File:
-        return _File(path)
+    def open(self, path: str, label: str) -> _File:
+        return _File(path, label)
 
     def close_file(self, handle: _File) -> None:
         handle.close()
@@ -198,19 +199,22 @@ class PosixEngine:
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=True)
+            # Closed by the garbage collector on one of our own I/O threads: it cannot join
+            # itself; the threads still exit once their queue is empty.
+            on_io_thread = threading.current_thread().name.startswith("tba-ssd-io")
+            executor.shutdown(wait=not on_io_thread)
         self._pool.clear()
 
     # --- transfers -------------------------------------------------------------------------
-    def write(self, requests: Sequence[IORequest]) -> None:
-        self._run(requests, is_write=True)
+    def write(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
+        self._run(requests, is_write=True, on_done=on_done)
 
-    def read(self, requests: Sequence[IORequest]) -> None:
-        self._run(requests, is_write=False)
+    def read(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
+        self._run(requests, is_write=False, on_done=on_done)
 
     def _plan(self, requests: Sequence[IORequest]) -> list[_Chunk]:
         chunks = []
-        for request in requests:
+        for index, request in enumerate(requests):
             buffer, handle = request.buffer, request.handle
             direct = handle.direct_fd is not None
             base = buffer.data_ptr()
@@ -222,7 +226,7 @@ class PosixEngine:
                     staged = bool((base + start) % ALIGNMENT or (stop - start) % ALIGNMENT)
                 else:
                     staged = False
-                chunks.append(_Chunk(request, start, stop, staged))
+                chunks.append(_Chunk(index, request, start, stop, staged))
         return chunks
 
     def _submit(self, fn: Callable[[], None], inline: bool) -> Future:
@@ -241,11 +245,24 @@ class PosixEngine:
             executor = self._executor
         return executor.submit(fn)
 
-    def _run(self, requests: Sequence[IORequest], is_write: bool) -> None:
+    def _run(self, requests: Sequence[IORequest], is_write: bool, on_done: OnDone | None) -> None:
         chunks = self._plan(requests)
-        inline = len(chunks) == 1
+        # One chunk runs on the calling thread, unless a write is checksummed: then the I/O
+        # thread writes while this thread computes the checksum.
+        inline = len(chunks) == 1 and not (is_write and on_done is not None)
         inflight: collections.deque[_Chunk] = collections.deque()
         error: BaseException | None = None
+
+        def finish_oldest() -> BaseException | None:
+            chunk = inflight.popleft()
+            failure = self._finish(chunk, is_write)
+            if failure is None and on_done is not None and not is_write:
+                try:
+                    on_done(chunk.index, chunk.start, chunk.stop)
+                except BaseException as e:  # noqa: BLE001 - reported like an I/O failure
+                    failure = e
+            return failure
+
         try:
             for chunk in chunks:
                 if chunk.staged:
@@ -253,7 +270,7 @@ class PosixEngine:
                     # Block on the pool only while holding nothing: then no two callers can
                     # wait on each other's buffers.
                     while chunk.staging is None and inflight and error is None:
-                        error = self._finish(inflight.popleft(), is_write)
+                        error = finish_oldest()
                         chunk.staging = self._pool.acquire(block=False)
                     if error is not None:
                         break
@@ -263,10 +280,14 @@ class PosixEngine:
                         self._fill(chunk)
                 chunk.future = self._submit(lambda c=chunk: self._transfer(c, is_write), inline)
                 inflight.append(chunk)
+                if is_write and on_done is not None:
+                    on_done(chunk.index, chunk.start, chunk.stop)  # overlaps with the write
                 while len(inflight) > self.num_io_threads and error is None:
-                    error = self._finish(inflight.popleft(), is_write)
+                    error = finish_oldest()
                 if error is not None:
                     break
+            while inflight and error is None:
+                error = finish_oldest()
         except BaseException as e:  # noqa: BLE001 - re-raised once every submitted chunk is done
             error = error or e
         finally:

@@ -1,17 +1,23 @@
-"""The per-process private directory of the SSD offloader, and removal of ones left by dead processes.
+"""The per-process private directory of the SSD offloader, held open from creation to removal.
 
 Layout: ``<parent>/tba-ssd-<host>-<pid>-r<rank>-<random>/`` (mode 0700) holding the marker file
 ``tba-owner.json`` and the slab files ``slab-<n>.bin``. The marker records host, pid and the
-process start time, and stays ``flock``-ed by its process for as long as the directory is in use.
-A directory is removed at start-up only if all of these hold: the name has our prefix, it is a
-real directory owned by our uid, its marker parses and names this host, its pid is gone (or now
-belongs to a younger process), and the marker's lock can be taken. Only the marker and files
-named like slabs are deleted; anything else keeps the directory in place.
+process start time, and stays ``flock``-ed by its process for as long as the directory is in use
+(``_stale_dirs`` reads it to remove directories of dead processes).
+
+Note [Removing only what we created]: where the parent is writable by others without the sticky
+bit, another user can rename our directory away and put a symlink to one of their directories
+(or one of ours) in its place; a removal by path would then delete files there. So the directory
+is opened (``O_NOFOLLOW``) right after ``mkdir`` and that handle is used for everything after:
+files are created, opened (through ``/proc/self/fd/<fd>/``) and unlinked relative to it, so they
+are always ours wherever the directory went. Each file's (device, inode) is recorded when
+created and checked before it is unlinked, and the directory itself is removed from the parent
+(also held open) only if the name still leads to the directory we created, without following a
+symlink. A directory renamed away is emptied and left where it went, with a warning.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
@@ -19,15 +25,20 @@ import os
 import re
 import secrets
 import socket
+import stat
+import threading
+import warnings
 
-__all__ = ["PREFIX", "MARKER_NAME", "PrivateDir", "remove_stale_dirs", "is_slab_name"]
+__all__ = ["PREFIX", "MARKER_NAME", "PrivateDir", "is_slab_name", "host_name", "start_time_of"]
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "tba-ssd-"
 MARKER_NAME = "tba-owner.json"
-_MARKER_TOOL = "tba-ssd-offloader"
+MARKER_TOOL = "tba-ssd-offloader"
 _SLAB_RE = re.compile(r"slab-\d+\.bin")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PROC_FD = "/proc/self/fd"
 
 
 def is_slab_name(name: str) -> bool:
@@ -35,25 +46,50 @@ def is_slab_name(name: str) -> bool:
     return _SLAB_RE.fullmatch(name) is not None
 
 
-def _host() -> str:
+def host_name() -> str:
     return socket.gethostname()
 
 
-def _start_time(pid: int) -> float | None:
-    """Start time of process ``pid`` (seconds since the epoch), or None if there is none."""
+def start_time_of(pid: int) -> float | None:
+    """Start time of process ``pid`` (seconds since the epoch); None if unreadable or gone."""
     import psutil
 
     try:
         return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return None
     except psutil.Error:
-        # Exists but unreadable (another user's process): treat as alive.
-        return float("nan")
+        return None
+
+
+_warned_lock = threading.Lock()
+_warned_parents: set[str] = set()
+
+
+def _warn_if_shared(parent: str, mode: int) -> None:
+    """Warn once per parent that others can write to it without the sticky bit."""
+    writers = [who for who, bit in (("other users", stat.S_IWOTH), ("its group", stat.S_IWGRP)) if mode & bit]
+    if not writers or mode & stat.S_ISVTX:
+        return
+    with _warned_lock:
+        if parent in _warned_parents:
+            return
+        _warned_parents.add(parent)
+    warnings.warn(
+        f"tba: the SSD offload directory {parent!r} is writable by {' and '.join(writers)} without "
+        "the sticky bit, so they can rename or replace tba's private directory in it. tba still "
+        "removes only files it created (see docs/ssd.md), but activations may be left on disk or "
+        "offloading may fail; use a directory only you can write to, or set the sticky bit "
+        "(chmod +t)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 class PrivateDir:
-    """Creates ``<parent>/tba-ssd-...`` with its locked marker; removes it again on demand.
+    """Creates ``<parent>/tba-ssd-...`` with its locked marker; removes what it created on demand.
 
     Raises:
         ValueError: ``parent`` is missing, not a directory, or not writable.
@@ -67,46 +103,82 @@ class PrivateDir:
                 f"SSD offload directory {parent!r} {what}; create it (mkdir -p) or pass an "
                 "existing directory in ssd_dirs / TBA_SSD_DIR"
             )
-        safe_host = re.sub(r"[^A-Za-z0-9_.]", "_", _host())[:64] or "host"
+        self.parent = parent
+        safe_host = re.sub(r"[^A-Za-z0-9_.]", "_", host_name())[:64] or "host"
         rank_part = "x" if rank is None else str(rank)
-        name = f"{PREFIX}{safe_host}-{os.getpid()}-r{rank_part}-{secrets.token_hex(4)}"
-        self.path = os.path.join(parent, name)
+        self.name = f"{PREFIX}{safe_host}-{os.getpid()}-r{rank_part}-{secrets.token_hex(4)}"
+        self.path = os.path.join(parent, self.name)
+        self._created: dict[str, tuple[int, int]] = {}  # file name -> (device, inode)
+        self._marker_fd = self._fd = -1
+        self._dir_identity = (-1, -1)
+        self._parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.mkdir(self.path, 0o700)
+            _warn_if_shared(parent, os.fstat(self._parent_fd).st_mode)
+            os.mkdir(self.name, 0o700, dir_fd=self._parent_fd)
         except OSError as e:
+            os.close(self._parent_fd)
             raise ValueError(
                 f"cannot create the SSD offload directory {self.path!r}: {e.strerror} "
                 f"(errno {e.errno}); pass a writable directory in ssd_dirs / TBA_SSD_DIR"
             ) from e
         try:
-            os.chmod(self.path, 0o700)
+            self._fd = os.open(self.name, _DIR_FLAGS, dir_fd=self._parent_fd)
+            st = os.fstat(self._fd)
+            if st.st_uid != os.geteuid():
+                raise OSError(0, f"{self.path} was replaced by a directory of uid {st.st_uid} right after mkdir")
+            self._dir_identity = _identity(st)
+            os.fchmod(self._fd, 0o700)
             self._marker_fd = self._write_marker(rank)
         except OSError as e:
-            try:
-                os.unlink(os.path.join(self.path, MARKER_NAME))
-            except OSError:
-                pass
-            self._rmdir_quietly()
+            if self._fd < 0:
+                try:  # could not even open what we just made: remove it if it is an empty directory
+                    os.rmdir(self.name, dir_fd=self._parent_fd)
+                except OSError:
+                    pass
+            self.remove()
             raise ValueError(
                 f"cannot write to the SSD offload directory {self.path!r}: {e.strerror} "
                 f"(errno {e.errno}); pass a writable directory in ssd_dirs / TBA_SSD_DIR"
             ) from e
-        self.parent = parent
+
+    def create(self, name: str) -> int:
+        """Create the new file ``name`` (mode 0600) in the directory; return its open fd."""
+        fd = os.open(
+            name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd
+        )
+        self._created[name] = _identity(os.fstat(fd))
+        return fd
+
+    def remove_file(self, name: str) -> None:
+        """Delete the file ``name`` this object created (a slab that could not be set up)."""
+        identity = self._created.get(name)
+        if identity is not None:
+            self._unlink(name, identity)
+
+    def open_path(self, name: str) -> str:
+        """A path to the file ``name`` that resolves through the held directory handle, for
+        engines that open files by path (kvikio), so the file opened is ours."""
+        if os.path.isdir(_PROC_FD):
+            return f"{_PROC_FD}/{self._fd}/{name}"
+        # No /proc (not Linux): the plain path, after checking the name still leads to our directory.
+        st = os.stat(self.name, dir_fd=self._parent_fd, follow_symlinks=False)
+        if _identity(st) != self._dir_identity:
+            raise OSError(0, f"{self.path} is no longer the directory tba created")
+        return os.path.join(self.path, name)
 
     def _write_marker(self, rank: int | None) -> int:
-        marker = os.path.join(self.path, MARKER_NAME)
-        fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = self.create(MARKER_NAME)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
                 # Some network filesystems have no locks: the pid check alone guards the dir.
-                logger.debug("tba: cannot lock %s (%s); stale-directory checks use the pid only", marker, e)
+                logger.debug("tba: cannot lock %s (%s); stale-directory checks use the pid only", self.path, e)
             record = {
-                "tool": _MARKER_TOOL,
-                "host": _host(),
+                "tool": MARKER_TOOL,
+                "host": host_name(),
                 "pid": os.getpid(),
-                "start_time": _start_time(os.getpid()),
+                "start_time": start_time_of(os.getpid()),
                 "rank": rank,
             }
             os.write(fd, json.dumps(record).encode())
@@ -115,27 +187,55 @@ class PrivateDir:
             raise
         return fd
 
-    def remove(self, slab_names: list[str], close_marker: bool = True) -> None:
-        """Delete the given slab files, the marker and the directory. Never raises.
+    def remove(self, close_fds: bool = True) -> None:
+        """Delete the files this object created, then the directory. Never raises.
 
-        With ``close_marker=False`` (signal and exit paths) no file descriptor is closed, so
+        With ``close_fds=False`` (signal and exit paths) no file descriptor is closed, so
         threads still doing I/O cannot have a descriptor number reused under them.
         """
-        for name in [*slab_names, MARKER_NAME]:
-            try:
-                os.unlink(os.path.join(self.path, name))
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                logger.warning("tba: could not delete %s: %s", os.path.join(self.path, name), e)
-        if close_marker and self._marker_fd >= 0:
-            os.close(self._marker_fd)
-            self._marker_fd = -1
-        self._rmdir_quietly()
+        if self._fd >= 0:
+            for name, identity in list(self._created.items()):
+                self._unlink(name, identity)
+            self._rmdir()
+        if close_fds:
+            for attribute in ("_marker_fd", "_fd", "_parent_fd"):
+                fd = getattr(self, attribute)
+                if fd >= 0:
+                    os.close(fd)
+                    setattr(self, attribute, -1)
 
-    def _rmdir_quietly(self) -> None:
+    def _unlink(self, name: str, identity: tuple[int, int]) -> None:
         try:
-            os.rmdir(self.path)
+            st = os.stat(name, dir_fd=self._fd, follow_symlinks=False)
+            if _identity(st) != identity:
+                logger.warning("tba: left %s/%s in place: it is not the file tba created", self.path, name)
+                return
+            os.unlink(name, dir_fd=self._fd)
+            self._created.pop(name, None)
+        except FileNotFoundError:
+            self._created.pop(name, None)
+        except OSError as e:
+            logger.warning("tba: could not delete %s: %s", os.path.join(self.path, name), e)
+
+    def _rmdir(self) -> None:
+        try:
+            st = os.stat(self.name, dir_fd=self._parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            logger.warning("tba: left the SSD offload directory %s in place: %s", self.path, e)
+            return
+        if st is None or _identity(st) != self._dir_identity:
+            if st is not None or os.fstat(self._fd).st_nlink > 0:
+                logger.warning(
+                    "tba: the SSD offload directory %s was moved or replaced by someone else; tba "
+                    "emptied the directory it created (wherever it is now) and left %s untouched",
+                    self.path,
+                    self.path,
+                )
+            return
+        try:
+            os.rmdir(self.name, dir_fd=self._parent_fd)
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -145,72 +245,3 @@ class PrivateDir:
                 self.path,
                 e.strerror,
             )
-
-
-def remove_stale_dirs(parent: str) -> list[str]:
-    """Remove directories under ``parent`` left by dead tba processes of this host.
-
-    Returns the paths removed. Never raises for a directory it cannot inspect: it skips it.
-    """
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
-        if not entry.name.startswith(PREFIX):
-            continue
-        try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
-                continue
-            if _remove_if_stale(entry.path):
-                removed.append(entry.path)
-        except OSError as e:
-            logger.debug("tba: skipped %s while looking for stale SSD directories: %s", entry.path, e)
-    if removed:
-        logger.info("tba: removed %d SSD offload directories left by dead processes: %s", len(removed), removed)
-    return removed
-
-
-def _remove_if_stale(path: str) -> bool:
-    try:
-        fd = os.open(os.path.join(path, MARKER_NAME), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False  # no marker we wrote: not ours
-    try:
-        try:
-            record = json.loads(os.read(fd, 4096).decode())
-        except (ValueError, UnicodeDecodeError):
-            return False
-        if not isinstance(record, dict) or record.get("tool") != _MARKER_TOOL or record.get("host") != _host():
-            return False
-        pid, recorded_start = record.get("pid"), record.get("start_time")
-        if not isinstance(pid, int):
-            return False
-        start = _start_time(pid)
-        if start is not None and (recorded_start is None or abs(start - float(recorded_start)) < 0.05):
-            return False  # the owner is alive
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False  # still held: some live process (maybe another pid namespace) owns it
-            raise
-        names = os.listdir(path)
-        foreign = [n for n in names if n != MARKER_NAME and not is_slab_name(n)]
-        if foreign:
-            logger.warning(
-                "tba: left the stale SSD directory %s in place: it holds files tba did not create "
-                "(%s); remove it by hand",
-                path,
-                ", ".join(sorted(foreign)[:5]),
-            )
-            return False
-        for name in names:
-            if is_slab_name(name):
-                os.unlink(os.path.join(path, name))
-        os.unlink(os.path.join(path, MARKER_NAME))
-        os.rmdir(path)
-        return True
-    finally:
-        os.close(fd)

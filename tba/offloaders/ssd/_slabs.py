@@ -10,10 +10,12 @@ cache's ``reserve``) adds exactly the missing bytes. Slabs are deleted only on c
 from __future__ import annotations
 
 import errno
+import itertools
+import logging
 import os
 import shutil
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tba.errors import OffloadIOError
@@ -22,6 +24,8 @@ from tba.offloaders.ssd._engine import IOEngine, io_error
 from tba.offloaders.ssd._private_dir import PrivateDir
 
 __all__ = ["Slab", "SlabDir", "free_disk_bytes"]
+
+logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _MIN_GROW_BYTES = 4 * _MiB
@@ -44,6 +48,9 @@ class Slab:
     path: str
     allocator: ExtentAllocator
     handle: Any  # the engine's open file
+    # offset -> serial of the allocation holding it now. A token remembers its serial, so a
+    # load or release through an extent that was freed and handed to another tensor is caught.
+    owners: dict[int, int] = field(default_factory=dict)
 
 
 class SlabDir:
@@ -65,6 +72,7 @@ class SlabDir:
         self._lock = threading.Lock()
         self._slabs: list[Slab] = []
         self._next_index = 0
+        self._serials = itertools.count(1)
 
     @property
     def slab_names(self) -> list[str]:
@@ -78,8 +86,8 @@ class SlabDir:
     def used_bytes(self) -> int:
         return sum(slab.allocator.used_bytes for slab in list(self._slabs))
 
-    def allocate(self, num_bytes: int) -> tuple[Slab, int]:
-        """A slab and offset with ``num_bytes`` (rounded up to the alignment) reserved.
+    def allocate(self, num_bytes: int) -> tuple[Slab, int, int]:
+        """A slab, offset and allocation serial with ``num_bytes`` (rounded up) reserved.
 
         Raises:
             OffloadIOError: the directory needs a new slab and the filesystem cannot hold it.
@@ -88,17 +96,35 @@ class SlabDir:
             for slab in self._slabs:
                 offset = slab.allocator.allocate(num_bytes)
                 if offset is not None:
-                    return slab, offset
+                    return slab, offset, self._own(slab, offset)
             capacity = sum(s.allocator.capacity_bytes for s in self._slabs)
             target = min(self._slab_bytes, max(_MIN_GROW_BYTES, capacity))
             slab = self._add_slab(max(num_bytes, target))
             offset = slab.allocator.allocate(num_bytes)
             assert offset is not None, "a fresh slab is at least as large as the request"
-            return slab, offset
+            return slab, offset, self._own(slab, offset)
+
+    def _own(self, slab: Slab, offset: int) -> int:
+        serial = next(self._serials)
+        slab.owners[offset] = serial
+        return serial
 
     @staticmethod
-    def free(slab: Slab, offset: int) -> None:
-        slab.allocator.free(offset)
+    def owns(slab: Slab, offset: int, serial: int) -> bool:
+        """Whether the allocation ``serial`` still holds ``offset`` of ``slab``."""
+        return slab.owners.get(offset) == serial
+
+    def free(self, slab: Slab, offset: int, serial: int) -> None:
+        """Give an extent back, unless it no longer belongs to allocation ``serial``."""
+        with self._lock:
+            if slab.owners.get(offset) != serial:
+                logger.error(
+                    "tba bug: release of %s offset %d by an allocation that no longer holds it; "
+                    "left to its current holder", slab.path, offset,
+                )
+                return
+            del slab.owners[offset]
+            slab.allocator.free(offset)
 
     def shortfall(self, num_bytes: int) -> tuple[int, int]:
         """(bytes of new slabs needed so ``num_bytes`` fit in free slab space, free disk bytes)."""
@@ -136,7 +162,7 @@ class SlabDir:
         self._next_index += 1
         path = os.path.join(self.path, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = self.private_dir.create(name)
         except OSError as e:
             raise io_error(
                 "could not create a slab file", path=path, offset=0, num_bytes=size, errno_code=e.errno,
@@ -147,15 +173,15 @@ class SlabDir:
                 os.posix_fallocate(fd, 0, size)
             finally:
                 os.close(fd)
-            handle = self._engine.open(path)
+            handle = self._engine.open(self.private_dir.open_path(name), path)
         except OSError as e:
-            _unlink_quietly(path)
+            self.private_dir.remove_file(name)
             raise io_error(
                 "could not preallocate a slab file", path=path, offset=0, num_bytes=size,
                 errno_code=e.errno, detail=e.strerror or "",
             ) from e
         except BaseException:
-            _unlink_quietly(path)
+            self.private_dir.remove_file(name)
             raise
         slab = Slab(name, path, ExtentAllocator(size, self._alignment), handle)
         self._slabs.append(slab)
@@ -170,15 +196,8 @@ class SlabDir:
                 self._engine.close_file(slab.handle)
             except Exception:  # noqa: BLE001 - closing a handle must not stop the deletion
                 pass
-        self.private_dir.remove([slab.name for slab in slabs])
+        self.private_dir.remove()
 
     def remove_now(self) -> None:
         """Signal/exit path: delete files and directory without closing descriptors or locking."""
-        self.private_dir.remove(self.slab_names, close_marker=False)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+        self.private_dir.remove(close_fds=False)
