@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
+import sys
 import threading
 import warnings
 from typing import Any
@@ -32,6 +34,7 @@ __all__ = ["CacheHooks", "ModuleHook"]
 
 logger = logging.getLogger(__name__)
 
+_TBA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _NESTED_TYPE_NAME = "NestedTensor"
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided  # torch.nested._internal.nested_tensor.NestedTensor
@@ -100,8 +103,27 @@ class _PackedSubclass:
 # ``_param_ptrs`` covers DTensor shards and buffers. Tested by tests/integrations/test_fsdp.py.
 
 
+def _torch_caller() -> Any:
+    """The first frame above tba's own: the module call that ran the hook."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TBA_DIR):
+        frame = frame.f_back
+    return frame
+
+
+def _on_stack(frame_id: int, caller: Any) -> bool:
+    """Whether a frame with ``frame_id`` runs above ``caller`` (the current call's frame)."""
+    frame = caller.f_back if caller is not None else None
+    while frame is not None:
+        if id(frame) == frame_id:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _ThreadState(threading.local):
     def __init__(self) -> None:
+        self.caller_id = 0  # id of the frame of the outermost forward call running
         self.depth = 0
         self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self.forward = ForwardPass()
@@ -211,9 +233,13 @@ class CacheHooks:
             self._functorch_note()
             return  # torch.func refuses saved-tensor hooks: autograd keeps everything
         state = self._local
+        caller = _torch_caller()
+        if state.depth and not _on_stack(state.caller_id, caller):
+            self._forget_interrupted_forward(state)
         state.depth += 1
         if state.depth > 1:
             return
+        state.caller_id = id(caller)
         self.engine.raise_pending()
         self._param_ptrs = frozenset(
             compat.local_tensor(t).untyped_storage().data_ptr()
@@ -225,6 +251,25 @@ class CacheHooks:
             self._begin_record(state, args)
         state.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         state.ctx.__enter__()
+
+    def _forget_interrupted_forward(self, state: _ThreadState) -> None:
+        """Note [Interrupted forwards]: torch runs ``always_call`` forward hooks for
+        ``Exception`` only, so a ``KeyboardInterrupt`` (or ``SystemExit``) raised inside the
+        model's forward skips ``_root_post``: this thread's depth, saved-tensor hooks and
+        forward record stay as they were. The next forward of the model finds no outer call of
+        it on the stack and closes that forward here, so a caught Ctrl-C leaves the cache
+        usable."""
+        logger.info("tba: the previous forward on this thread was interrupted; closing it")
+        if state.ctx is not None:
+            state.ctx.__exit__(None, None, None)
+            state.ctx = None
+        state.depth = 0
+        state.forward.end()
+        self.engine.flush()
+        with self._lock:
+            self._num_active = max(0, self._num_active - 1)
+            if self._num_active == 0:
+                self.steps.end_forward()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self._local

@@ -277,7 +277,10 @@ class Transfers:
             with self.cond:
                 error, self.error = self.error, None
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    del error  # no frame -> traceback -> frame cycle keeps the step's tensors
 
     def take_step(self) -> CacheStats:
         """The counters since the last call (one step), and start new ones."""
@@ -449,6 +452,9 @@ class Transfers:
                                 entry.remember_geometry()
                                 release_alias(alias)
                 self.cond.notify_all()
+            # An exception kept in a local until the next store would keep its traceback,
+            # hence the failed step's tensors, alive while the worker idles.
+            failure = None
             if release is not None:
                 self._release(release)
 
@@ -565,6 +571,7 @@ class Transfers:
                 self.cond.notify_all()
             assert done is not None
             done.set()
+            failure = dst = None  # see the store worker
             if release is not None:
                 self._release(release)
 

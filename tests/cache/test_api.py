@@ -286,3 +286,32 @@ def test_set_stage_validates_logs_and_decides_the_tail() -> None:
                                          (0, 0, "backward")]
         # The unhinted step, then one pipelined step holding both microbatches.
         assert cache.stats(cumulative=True).num_steps == 2
+
+
+def test_a_model_calling_itself_is_one_forward() -> None:
+    """Note [Interrupted forwards]: a nested call of the configured model (a forward that
+    calls the model again) is not mistaken for an interrupted one."""
+
+    class Recursive(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+
+        def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+            x = torch.tanh(self.blocks[0](x))
+            return x if depth == 0 else self(x, depth - 1)
+
+    torch.manual_seed(0)
+    model = Recursive()
+    twin = copy.deepcopy(model)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0,
+                                    keep_last_modules=0, adaptive=False) as cache:
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            model(x).sum().backward()
+            twin(x).sum().backward()
+        stats = cache.stats(cumulative=True)
+    assert stats.num_steps >= 2 and stats.num_packed > 0
+    assert cache._hooks._local.depth == 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)

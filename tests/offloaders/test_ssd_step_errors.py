@@ -90,13 +90,9 @@ def test_caught_keyboard_interrupt_leaves_the_offloader_usable(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cache-side (tba/cache): torch runs always_call forward hooks only for Exception, so "
-    "after a KeyboardInterrupt in forward TensorCache._root_post never runs, _depth stays 1 and "
-    "later steps are never opened or finished (num_steps stays 1); see the issue 12 closing note",
-)
 def test_caught_keyboard_interrupt_then_bit_exact_training(tmp_path: Path) -> None:
+    """Note [Interrupted forwards]: a Ctrl-C inside forward skips torch's always_call hooks;
+    the next forward closes the interrupted one and training goes on bit-exact."""
     code = f"""
         import copy, gc, signal, torch, tba
         from tests import models
