@@ -139,15 +139,18 @@ def test_many_threads_with_few_staging_buffers_do_not_deadlock(tmp_path: Path) -
         off.close()
 
 
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EFAULT], ids=["EINVAL", "EFAULT"])
 def test_o_direct_refused_falls_back_to_buffered_with_one_notice(
-    offloader: SSDOffloader, caplog: pytest.LogCaptureFixture
+    offloader: SSDOffloader, caplog: pytest.LogCaptureFixture, code: int
 ) -> None:
+    """EINVAL (alignment, filesystem) and EFAULT (drivers refusing O_DIRECT into pinned
+    memory) both fall back to buffered I/O for the file, with one notice."""
     engine = offloader._engine
     real_pwrite = engine._pwrite
 
     def no_direct(fd: int, data: object, offset: int) -> int:
         if any(fd == e.slab.handle.direct_fd for e in getattr(no_direct, "extents", ())):
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         return real_pwrite(fd, data, offset)
 
     token = offloader.store(typed_tensor(10, torch.uint8))  # opens the slab

@@ -147,6 +147,13 @@ def select_engine(
             built = KvikioEngine()
         except Exception as e:  # noqa: BLE001 - auto falls back; an explicit "kvikio" raises
             return posix(f"auto: kvikio is installed but failed to start ({type(e).__name__}: {e})")
+        if not built.gds:
+            # Note [auto prefers posix over kvikio's compat mode]: compat mode bounces CUDA
+            # tensors through host memory with copies on blocking streams that serialise with
+            # the default stream (no overlap with compute); the posix engine stages through
+            # its own pinned buffers on tba's transfer streams.
+            built.close()
+            return posix(f"auto: kvikio would run in {built.mode}; the posix engine overlaps better")
         _log_choice(built.name, f"auto: CUDA and kvikio present; {built.mode}")
         return built
     raise ValueError(f"ssd_engine must be 'auto', 'kvikio' or 'posix', got {engine!r}")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tba.offloaders._stream_wait import wait_for_stream
 from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
 
 __all__ = ["KvikioEngine"]
@@ -73,10 +74,13 @@ class KvikioEngine:
                     "KVIKIO_COMPAT_MODE=ON before starting Python, or use ssd_engine='posix'"
                 )
             self.mode = "compat mode (POSIX I/O inside kvikio; no CUDA device)"
+            self.gds = False
         elif kvikio.defaults.is_compat_mode_preferred():
             self.mode = "compat mode: cuFile/GPUDirect Storage unavailable, kvikio bounces through host memory"
+            self.gds = False
         else:
             self.mode = "GPUDirect Storage through cuFile"
+            self.gds = True
             _warn_if_unregistered()
 
     def open(self, path: str, label: str) -> Any:
@@ -104,7 +108,7 @@ class KvikioEngine:
         # kvikio copies on its own stream: everything queued on ours (the producer's event
         # wait, or an earlier use of the destination's memory) must be done first.
         for device in {r.buffer.device for r in requests if r.buffer.is_cuda}:
-            torch.cuda.current_stream(device).synchronize()
+            wait_for_stream(device)
         # Note [kvikio buffer lifetime]: `pending` holds the tensor and the object handed to
         # kvikio until the future is done; dropping either early lets the memory be reused
         # while kvikio still reads or writes it.

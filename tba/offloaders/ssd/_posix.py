@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tba.offloaders._stream_wait import wait_for_stream
 from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
 
 __all__ = ["PosixEngine", "ALIGNMENT"]
@@ -45,9 +46,7 @@ def _notice_once(key: str, message: str, *args: object) -> None:
 
 def _wait_for_copies(device: torch.device) -> None:
     """Block until the copies just queued on ``device``'s current stream have run."""
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    event.synchronize()
+    wait_for_stream(device)
 
 
 class _File:
@@ -364,8 +363,11 @@ class PosixEngine:
             try:
                 count = call(fd, view[done:], offset + done)
             except OSError as e:
-                if e.errno == errno.EINVAL and fd != handle.fd:
-                    handle.drop_direct(e.strerror or "EINVAL")
+                # EINVAL: this transfer's alignment or filesystem refuses O_DIRECT; EFAULT:
+                # some drivers refuse O_DIRECT into pinned (cudaHostAlloc) staging memory.
+                # Either way the same bytes go through the buffered descriptor.
+                if e.errno in (errno.EINVAL, errno.EFAULT) and fd != handle.fd:
+                    handle.drop_direct(e.strerror or errno.errorcode.get(e.errno, str(e.errno)))
                     fd = handle.fd
                     continue
                 raise io_error(

@@ -1,0 +1,46 @@
+"""``ssd_engine="auto"``: which engine it picks, and why (issue 16, finding 8)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tba.offloaders.ssd import _engine, _kvikio
+
+
+class FakeKvikio:
+    """Stands in for KvikioEngine: ``gds`` says whether cuFile would really be used."""
+
+    name = "kvikio"
+    built: list[FakeKvikio] = []
+
+    def __init__(self, gds: bool) -> None:
+        self.gds = gds
+        self.mode = "GPUDirect Storage through cuFile" if gds else "compat mode: cuFile unavailable"
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("gds", [False, True], ids=["compat", "gds"])
+def test_auto_prefers_posix_over_kvikio_compat_mode(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture, gds: bool) -> None:
+    made: list[FakeKvikio] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_engine, "_kvikio_importable", lambda: True)
+    monkeypatch.setattr(_kvikio, "KvikioEngine", lambda: made.append(FakeKvikio(gds)) or made[-1])
+    monkeypatch.setattr(_engine, "_log_choice", lambda name, reason: logging.getLogger("tba").warning("%s: %s", name, reason))
+    with caplog.at_level(logging.WARNING, logger="tba"):
+        engine = _engine.select_engine("auto", chunk_bytes=1 << 20, num_io_threads=1, num_staging_buffers=2)
+    try:
+        if gds:
+            assert engine is made[0]
+        else:
+            assert engine.name == "posix" and made[0].closed
+            assert any("compat mode" in r.getMessage() and "posix" in r.getMessage() for r in caplog.records)
+    finally:
+        if engine.name == "posix":
+            engine.close()
