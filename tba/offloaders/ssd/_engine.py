@@ -54,11 +54,21 @@ class IORequest:
     buffer: torch.Tensor  # 1-D contiguous uint8; source of a write, destination of a read
 
 
-# ``on_done(i, start, stop)``: bytes ``[start, stop)`` of ``requests[i].buffer`` are final: for a
-# read they have landed in the buffer, for a write they are being written (the source must not
-# change until the call returns anyway). Called on the calling thread, while later parts may
-# still be in flight, so a checksum of them overlaps with the I/O; every byte is reported once.
-OnDone = Callable[[int, int, int], None]
+# ``on_done(i, start, stop, data)``: bytes ``[start, stop)`` of ``requests[i].buffer`` are final:
+# for a read they have landed in the buffer; for a write they are being written, and ``data``,
+# when not None, holds exactly the bytes handed to the file (a staging copy). Called on the
+# calling thread, while later parts may still be in flight, so a checksum of them overlaps with
+# the I/O; every byte is reported once.
+#
+# Note [Checksums of what was written]: a storage can change while it is being stored without
+# any error in the saved tensor's own bytes: another version-counter family (an
+# ``unsafe_chunk`` sibling, as in PyTorch's CPU GRU/LSTM kernels) writes its own region of the
+# same storage in place. A checksum taken from the live source at another moment than the copy
+# to the file then describes bytes that were never written, and the reload reports corruption
+# that is not there. An engine whose ``exact_write_sums`` is True reports the very bytes it
+# wrote in ``data``; for the others the offloader re-checks the source after the write and
+# writes again from a snapshot when it moved.
+OnDone = Callable[[int, int, int, "torch.Tensor | None"], None]
 
 
 class IOEngine(Protocol):

@@ -211,7 +211,11 @@ class PosixEngine:
     def read(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
         self._run(requests, is_write=False, on_done=on_done)
 
-    def _plan(self, requests: Sequence[IORequest]) -> list[_Chunk]:
+    # Note [Checksums of what was written]: a checksummed write goes through staging, and the
+    # checksum is taken from the staging copy, the very bytes handed to the file.
+    exact_write_sums = True
+
+    def _plan(self, requests: Sequence[IORequest], stage_all: bool = False) -> list[_Chunk]:
         chunks = []
         for index, request in enumerate(requests):
             buffer, handle = request.buffer, request.handle
@@ -219,7 +223,7 @@ class PosixEngine:
             base = buffer.data_ptr()
             for start in range(0, buffer.numel(), self.chunk_bytes):
                 stop = min(start + self.chunk_bytes, buffer.numel())
-                if buffer.device.type != "cpu":
+                if buffer.device.type != "cpu" or stage_all:
                     staged = True
                 elif direct:
                     staged = bool((base + start) % ALIGNMENT or (stop - start) % ALIGNMENT)
@@ -245,7 +249,7 @@ class PosixEngine:
         return executor.submit(fn)
 
     def _run(self, requests: Sequence[IORequest], is_write: bool, on_done: OnDone | None) -> None:
-        chunks = self._plan(requests)
+        chunks = self._plan(requests, stage_all=is_write and on_done is not None)
         # One chunk runs on the calling thread, unless a write is checksummed: then the I/O
         # thread writes while this thread computes the checksum.
         inline = len(chunks) == 1 and not (is_write and on_done is not None)
@@ -257,7 +261,7 @@ class PosixEngine:
             failure = self._finish(chunk, is_write)
             if failure is None and on_done is not None and not is_write:
                 try:
-                    on_done(chunk.index, chunk.start, chunk.stop)
+                    on_done(chunk.index, chunk.start, chunk.stop, None)
                 except BaseException as e:  # noqa: BLE001 - reported like an I/O failure
                     failure = e
             return failure
@@ -279,8 +283,10 @@ class PosixEngine:
                         self._fill(chunk)
                 chunk.future = self._submit(lambda c=chunk: self._transfer(c, is_write), inline)
                 inflight.append(chunk)
-                if is_write and on_done is not None:
-                    on_done(chunk.index, chunk.start, chunk.stop)  # overlaps with the write
+                if is_write and on_done is not None:  # overlaps with the write
+                    assert chunk.staging is not None
+                    data = chunk.staging.tensor[: chunk.stop - chunk.start]
+                    on_done(chunk.index, chunk.start, chunk.stop, data)
                 while len(inflight) > self.num_io_threads and error is None:
                     error = finish_oldest()
                 if error is not None:

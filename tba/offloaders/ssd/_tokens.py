@@ -50,8 +50,8 @@ def summer(requests: list[IORequest], sums: list[Accumulator] | None) -> OnDone 
     if sums is None:
         return None
 
-    def on_done(index: int, start: int, stop: int) -> None:
-        sums[index].add(requests[index].buffer[start:stop], start)
+    def on_done(index: int, start: int, stop: int, data: torch.Tensor | None = None) -> None:
+        sums[index].add(requests[index].buffer[start:stop] if data is None else data, start)
 
     return on_done
 
