@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["StreamLayer", "DeviceStreams"]
+__all__ = ["StreamLayer", "DeviceStreams", "dedicated_stream"]
 
 
 class StreamLayer(Protocol):
@@ -76,7 +76,7 @@ class DeviceStreams:
             if stream is None:
                 # Loads run at high priority: backward is waiting for them.
                 priority = -1 if kind == "load" else 0
-                stream = self._streams[(index, kind)] = torch.cuda.Stream(device=index, priority=priority)
+                stream = self._streams[(index, kind)] = dedicated_stream(index, priority)
         return stream
 
     def producer_event(self, device: torch.device) -> Any | None:
@@ -125,3 +125,59 @@ class DeviceStreams:
             tensor.record_stream(stream)
             return True
         return False
+
+
+# Note [Dedicated transfer streams]: ``torch.cuda.Stream()`` hands out streams of a small
+# round-robin pool (32 per priority per device) that NCCL process groups and FSDP2 draw from
+# too, so a transfer stream could be the one a collective runs on, and every transfer would
+# then wait for it (or it for them). tba creates its own streams with the CUDA runtime
+# (``cudaStreamCreateWithPriority``, non-blocking) and wraps them in ``torch.cuda.ExternalStream``;
+# where the runtime library cannot be found it falls back to the pool and says so once.
+_CUDA_STREAM_NON_BLOCKING = 0x1
+_warned_pool = False
+
+
+def _runtime() -> Any:
+    """The CUDA runtime library torch uses (``libcudart``), loaded with ctypes."""
+    import ctypes
+    import ctypes.util
+
+    major = (torch.version.cuda or "").split(".")[0]
+    names = [f"libcudart.so.{major}"] if major else []
+    found = ctypes.util.find_library("cudart")
+    if found:
+        names.append(found)
+    errors = []
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(f"{name}: {exc}")
+    raise OSError("; ".join(errors) or "no libcudart name to try")
+
+
+def dedicated_stream(device_index: int, priority: int, runtime: Any = None) -> torch.cuda.Stream:
+    """A CUDA stream of tba's own (Note [Dedicated transfer streams]); falls back to the pool."""
+    global _warned_pool
+    import ctypes
+
+    try:
+        lib = runtime if runtime is not None else _runtime()
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(device_index):
+            status = lib.cudaStreamCreateWithPriority(
+                ctypes.byref(handle), ctypes.c_uint(_CUDA_STREAM_NON_BLOCKING), ctypes.c_int(priority)
+            )
+        if status != 0:
+            raise OSError(f"cudaStreamCreateWithPriority returned {status}")
+        return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", device_index))
+    except (OSError, AttributeError) as exc:
+        if not _warned_pool:
+            _warned_pool = True
+            import warnings
+
+            warnings.warn(
+                f"tba: could not create dedicated CUDA streams ({exc}); transfers use streams "
+                "from PyTorch's pool, which NCCL and FSDP may share", RuntimeWarning, stacklevel=2,
+            )
+        return torch.cuda.Stream(device=device_index, priority=priority)

@@ -178,3 +178,46 @@ def test_reload_buffers_are_allocated_on_the_producers_stream() -> None:
             allocated = [e for e in log[:index] if e[0] == "allocate" and e[3] == event[2]][-1]
             assert allocated[1] == event[4], "consumed naming another producer than it was allocated on"
     assert stats.num_record_stream == 0
+
+
+class FakeRuntime:
+    """Stands in for libcudart: records cudaStreamCreateWithPriority calls."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.calls: list[tuple[int, int]] = []
+
+    def cudaStreamCreateWithPriority(self, handle_ref, flags, priority) -> int:  # noqa: N802
+        import ctypes
+
+        self.calls.append((flags.value, priority.value))
+        if self.status == 0:
+            ctypes.cast(handle_ref, ctypes.POINTER(ctypes.c_void_p))[0] = 0xBEEF
+        return self.status
+
+
+@pytest.mark.parametrize("status", [0, 2], ids=["created", "refused"])
+def test_transfer_streams_are_tbas_own(monkeypatch: pytest.MonkeyPatch, status: int) -> None:
+    """Note [Dedicated transfer streams]: streams come from cudaStreamCreateWithPriority
+    (non-blocking, the asked priority), not PyTorch's shared pool; a refusal falls back to the
+    pool with one warning."""
+    import contextlib
+
+    from tba.cache import streams
+
+    made: list[tuple] = []
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda ptr, device: made.append(("external", ptr, device)) or made[-1])
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device, priority: made.append(("pool", device, priority)) or made[-1])
+    monkeypatch.setattr(streams, "_warned_pool", False)
+    runtime = FakeRuntime(status)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = streams.dedicated_stream(0, -1, runtime=runtime)
+        streams.dedicated_stream(0, 0, runtime=runtime)
+    assert runtime.calls == [(1, -1), (1, 0)]
+    if status == 0:
+        assert first == ("external", 0xBEEF, torch.device("cuda", 0)) and not caught
+    else:
+        assert first == ("pool", 0, -1)
+        assert sum("dedicated CUDA streams" in str(w.message) for w in caught) == 1
