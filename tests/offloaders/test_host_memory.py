@@ -230,3 +230,13 @@ def test_host_offloader_pins_exactly_on_cuda() -> None:
     off.release(token)
     off.close()
     assert off.pinned_bytes == 0
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    from tba.offloaders import host, host_memory
+
+    for module in (host, host_memory):
+        result = doctest.testmod(module, raise_on_error=False, verbose=False)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
