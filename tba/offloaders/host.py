@@ -20,15 +20,13 @@ _MIN_SLAB_BYTES = 64 << 20
 
 
 class _Slab:
-    """One host buffer carved by an extent allocator. A retiring slab takes no new extents
-    and is released when its last one is freed."""
+    """One host buffer carved by an extent allocator."""
 
-    __slots__ = ("buffer", "extents", "retiring")
+    __slots__ = ("buffer", "extents")
 
     def __init__(self, buffer: HostBuffer) -> None:
         self.buffer = buffer
         self.extents = ExtentAllocator(buffer.num_bytes, alignment=_ALIGNMENT)
-        self.retiring = False
 
 
 # A token: the slab, the offset in it and the byte count.
@@ -73,8 +71,8 @@ class HostOffloader:
         self._lock = threading.Lock()
         # One pool per memory kind wanted: pinned (for CUDA sources) and pageable (CPU sources).
         self._slabs: dict[bool, list[_Slab]] = {False: [], True: []}
-        self._reserve_bytes: int | None = None  # wish recorded by reserve(), per kind applied
-        self._reserve_pending: set[bool] = set()
+        self._reserve_bytes: int | None = None  # recorded by reserve() ...
+        self._reserve_pending: set[bool] = set()  # ... for these pools, not applied yet
         self._closed = False
 
     @property
@@ -109,10 +107,9 @@ class HostOffloader:
         if self._closed:
             raise RuntimeError("HostOffloader is closed")
         for slab in self._slabs[pinned]:
-            if not slab.retiring:
-                offset = slab.extents.allocate(num_bytes)
-                if offset is not None:
-                    return slab, offset
+            offset = slab.extents.allocate(num_bytes)
+            if offset is not None:
+                return slab, offset
         return None
 
     def _allocate(self, pinned: bool, num_bytes: int) -> tuple[_Slab, int]:
@@ -170,17 +167,10 @@ class HostOffloader:
             _wait_for_copy(dst.device)
 
     def release(self, token: _Token) -> None:
-        slab = token[0]
         with self._lock:
             if self._closed:
                 return
-            slab.extents.free(token[1])
-            if not (slab.retiring and slab.extents.num_allocations == 0):
-                return
-            for slabs in self._slabs.values():
-                if slab in slabs:
-                    slabs.remove(slab)
-        slab.buffer.release()
+            token[0].extents.free(token[1])
 
     def reserve(self, num_bytes: int) -> None:
         """Size each pool to ``num_bytes`` (the profiled step's peak). Cheap and non-blocking:
@@ -190,8 +180,7 @@ class HostOffloader:
         with self._lock:
             self._reserve_bytes = num_bytes
             for pinned, slabs in self._slabs.items():
-                live = [s for s in slabs if not s.retiring]
-                if not (len(live) == 1 and live[0].extents.capacity_bytes >= num_bytes):
+                if not (len(slabs) == 1 and slabs[0].extents.capacity_bytes >= num_bytes):
                     self._reserve_pending.add(pinned)
 
     def close(self) -> None:
