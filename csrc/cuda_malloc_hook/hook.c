@@ -9,6 +9,11 @@
  * The registry lock is never held while calling cuFile or CUDA, and calls that cuFile itself
  * makes into cudaMalloc / cudaFree (inside_cufile) pass straight through: no recursion, and no
  * lock-order cycle with cuFile's internal locks. Tested by tests/malloc_hook/test_hook.py.
+ *
+ * Which allocations: at least TBA_HOOK_MIN_BYTES, only tagged ones with TBA_HOOK_REGISTER=tba
+ * (Note [Tagged allocations]), never during a CUDA graph capture (Note [No registration while
+ * capturing], real_cudart.c). Registration runs inside PyTorch's cudaMalloc, that is under its
+ * allocator's lock: the tba mode keeps those calls to the few segments GDS actually reads.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -32,7 +37,17 @@ static atomic_uint_fast64_t num_registered;
 static atomic_uint_fast64_t num_deregistered;
 static atomic_uint_fast64_t num_failed;
 static atomic_uint_fast64_t num_deregister_failed;
+static atomic_uint_fast64_t num_skipped_capturing;
+static atomic_uint_fast64_t num_skipped_untagged;
 static _Thread_local int inside_cufile;
+/* Note [Tagged allocations]: with TBA_HOOK_REGISTER=tba only segments that PyTorch's caching
+ * allocator cudaMallocs while a tba thread has switched its tag on are registered. PyTorch
+ * calls cudaMalloc synchronously on the thread that asked for the tensor, so tba tags the
+ * thread around the allocation of a reload buffer (tba.malloc_hook.tagged_allocations()) and
+ * the segment that buffer lands in, if it is a new one, is registered; weights, optimizer
+ * state and NCCL buffers are not. A reload buffer carved from a segment that already existed
+ * stays unregistered (GDS then moves it through a bounce buffer: slower, still correct). */
+static _Thread_local int thread_tagged;
 
 static void init(void) {
     tba_settings_read(&settings);
@@ -127,7 +142,14 @@ TBA_HOOK_EXPORT int cudaMalloc(void **ptr, size_t size) {
     }
     atomic_fetch_add(&num_allocations, 1);
     if (!inside_cufile && size >= settings.min_bytes && atomic_load(&enabled)) {
-        register_allocation(*ptr, size);
+        if (settings.register_mode == TBA_REGISTER_TBA && !thread_tagged) {
+            atomic_fetch_add(&num_skipped_untagged, 1);
+        } else if (tba_cuda_may_be_capturing()) {
+            /* Note [No registration while capturing] (real_cudart.c). */
+            atomic_fetch_add(&num_skipped_capturing, 1);
+        } else {
+            register_allocation(*ptr, size);
+        }
     }
     return status;
 }
@@ -171,12 +193,21 @@ TBA_HOOK_EXPORT int tba_hook_get_status(struct tba_hook_status *out, size_t out_
     out->num_live_registered = live;
     out->registered_bytes = live_bytes;
     out->cufile_state = tba_cufile_state();
+    out->register_mode = (uint64_t)settings.register_mode;
+    out->num_skipped_capturing = atomic_load(&num_skipped_capturing);
+    out->num_skipped_untagged = atomic_load(&num_skipped_untagged);
     return 0;
 }
 
 TBA_HOOK_EXPORT int tba_hook_set_enabled(int on) {
     ensure_init();
     return atomic_exchange(&enabled, on != 0);
+}
+
+TBA_HOOK_EXPORT int tba_hook_set_thread_tagged(int on) {
+    int previous = thread_tagged;
+    thread_tagged = on != 0;
+    return previous;
 }
 
 TBA_HOOK_EXPORT size_t tba_hook_last_error(char *buf, size_t buf_size) {

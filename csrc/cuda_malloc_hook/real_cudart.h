@@ -17,4 +17,9 @@ typedef tba_cuda_error (*tba_cuda_free_fn)(void *ptr);
 tba_cuda_malloc_fn tba_real_cuda_malloc(void);
 tba_cuda_free_fn tba_real_cuda_free(void);
 
+/* 1 when the calling thread's cudaMalloc may be part of a CUDA graph capture, so nothing may be
+ * registered now (Note [No registration while capturing] in real_cudart.c); 0 otherwise, also
+ * when the runtime lacks the capture queries. */
+int tba_cuda_may_be_capturing(void);
+
 #endif

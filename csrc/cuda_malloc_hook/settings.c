@@ -47,13 +47,31 @@ static void read_size(const char *name, size_t low, size_t high, size_t *value) 
     *value = (size_t)parsed;
 }
 
+static void read_register_mode(int *value) {
+    const char *text = getenv("TBA_HOOK_REGISTER");
+    if (text == NULL || text[0] == '\0') {
+        return;
+    }
+    if (strcasecmp(text, "all") == 0) {
+        *value = TBA_REGISTER_ALL;
+    } else if (strcasecmp(text, "tba") == 0) {
+        *value = TBA_REGISTER_TBA;
+    } else {
+        tba_error_set("TBA_HOOK_REGISTER=%s is invalid: expected all (every allocation) or tba "
+                      "(only tba's reload buffers); using all",
+                      text);
+    }
+}
+
 void tba_settings_read(struct tba_hook_settings *out) {
     out->enabled = 1;
+    out->register_mode = TBA_REGISTER_ALL;
     out->min_bytes = TBA_HOOK_DEFAULT_MIN_BYTES;
     out->max_segments = TBA_HOOK_DEFAULT_MAX_SEGMENTS;
     out->cufile_library[0] = '\0';
 
     read_flag("TBA_HOOK_ENABLED", &out->enabled);
+    read_register_mode(&out->register_mode);
     read_size("TBA_HOOK_MIN_BYTES", 0, SIZE_MAX, &out->min_bytes);
     read_size("TBA_HOOK_MAX_SEGMENTS", 1, TBA_HOOK_LIMIT_MAX_SEGMENTS, &out->max_segments);
 

@@ -39,6 +39,9 @@ struct tba_hook_status {
     uint64_t num_live_registered;   /* registered allocations not freed yet */
     uint64_t registered_bytes;      /* bytes of the registered allocations not freed yet */
     int64_t cufile_state;           /* enum tba_cufile_state */
+    uint64_t register_mode;         /* TBA_HOOK_REGISTER: 0 = all, 1 = tba (tagged only) */
+    uint64_t num_skipped_capturing; /* allocations left unregistered: made during a capture */
+    uint64_t num_skipped_untagged;  /* allocations left unregistered: not tagged (mode tba) */
 };
 
 /* The interposed CUDA runtime functions (cudaError_t is an int-sized enum). They call the real
@@ -53,6 +56,10 @@ TBA_HOOK_EXPORT int tba_hook_get_status(struct tba_hook_status *out, size_t out_
 /* Switches registration of new allocations on (enabled != 0) or off, and returns the previous
  * setting. Allocations registered earlier are still deregistered when they are freed. */
 TBA_HOOK_EXPORT int tba_hook_set_enabled(int enabled);
+
+/* Tags (on != 0) or untags the allocations the calling thread makes from now on and returns the
+ * previous setting. With TBA_HOOK_REGISTER=tba only tagged allocations are registered. */
+TBA_HOOK_EXPORT int tba_hook_set_thread_tagged(int on);
 
 /* Copies the most recent error message (NUL-terminated, truncated to fit) into buf and returns
  * its full length; 0 when no error happened. */

@@ -2,14 +2,88 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+import warnings
 
-from tba.malloc_hook._status import status
+from tba.malloc_hook._status import HookStatus, status
 
-__all__ = ["gds_registration_problem"]
+__all__ = ["gds_registration_problem", "registration_shortfall", "warn_if_registration_short"]
+
+logger = logging.getLogger(__name__)
+
+# Note [Registration shortfall]: with TBA_HOOK_REGISTER=all the hook should see most of what
+# PyTorch reserves; PyTorch's 2 MiB small-pool segments (below the default 4 MiB threshold)
+# and a few failed or skipped registrations account for some difference, so only less than
+# half registered counts as a shortfall, and only once PyTorch holds a real amount of memory.
+SHORTFALL_RATIO = 0.5
+SHORTFALL_MIN_RESERVED_BYTES = 256 << 20
+_warn_lock = threading.Lock()
+_warned_shortfall = False
 
 
-def _torch_runtime_problem(num_allocations: int) -> str | None:
+def registration_shortfall(current: HookStatus, reserved_bytes: int) -> str | None:
+    """Why far less is registered with cuFile than PyTorch reserves, or None.
+
+    Args:
+        current: the hook's status (``status()``).
+        reserved_bytes: ``torch.cuda.memory_reserved()`` of the device GDS reads from.
+
+    Returns:
+        A message naming the numbers, the likely cause and the fix, or None when the hook is
+        not preloaded, registers only tba's buffers (``TBA_HOOK_REGISTER=tba``: a small share
+        is expected), PyTorch holds less than 256 MiB, or at least half of it is registered.
+    """
+    if not current.preloaded or current.register_mode != "all":
+        return None
+    if reserved_bytes < SHORTFALL_MIN_RESERVED_BYTES:
+        return None
+    if current.registered_bytes >= SHORTFALL_RATIO * reserved_bytes:
+        return None
+    causes = []
+    if current.num_skipped_capturing:
+        causes.append(f"{current.num_skipped_capturing} allocations made during CUDA graph capture")
+    if current.num_failed:
+        causes.append(f"{current.num_failed} failed registrations (last error: {current.last_error})")
+    if not current.enabled:
+        causes.append("registration switched off")
+    cause = "; ".join(causes) if causes else (
+        "segments below TBA_HOOK_MIN_BYTES, or memory PyTorch did not get from cudaMalloc"
+    )
+    return (
+        f"the malloc hook has {current.registered_bytes} bytes registered with cuFile but "
+        f"PyTorch reserves {reserved_bytes} bytes of CUDA memory ({cause}): GDS transfers from "
+        "unregistered memory go through bounce buffers; check the hook's status "
+        "(tba.malloc_hook.status()) and TBA_HOOK_MIN_BYTES"
+    )
+
+
+def warn_if_registration_short(reserved_bytes: int | None = None) -> str | None:
+    """Warn once per process when ``registration_shortfall`` finds one; returns its message.
+
+    Call it once training is under way (after the first step), when PyTorch has reserved
+    what it needs. ``reserved_bytes`` defaults to ``torch.cuda.memory_reserved()`` if torch is
+    imported and CUDA initialised (this never initialises CUDA).
+    """
+    global _warned_shortfall
+    if reserved_bytes is None:
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        reserved_bytes = int(torch.cuda.memory_reserved())
+    problem = registration_shortfall(status(), reserved_bytes)
+    if problem is None:
+        return None
+    with _warn_lock:
+        first, _warned_shortfall = not _warned_shortfall, True
+    if first:
+        warnings.warn(f"tba: {problem} (this warning is shown once)", RuntimeWarning, stacklevel=2)
+    logger.debug("registration shortfall: %s", problem)
+    return problem
+
+
+def _torch_runtime_problem(current: HookStatus) -> str | None:
     """Checks PyTorch's live allocator, only if torch is imported and CUDA already initialised
     (this must never initialise CUDA)."""
     torch = sys.modules.get("torch")
@@ -22,13 +96,13 @@ def _torch_runtime_problem(num_allocations: int) -> str | None:
             "cudaMalloc, so the malloc hook registers nothing: use the native backend"
         )
     reserved_bytes = int(torch.cuda.memory_reserved())
-    if reserved_bytes > 0 and num_allocations == 0:
+    if reserved_bytes > 0 and current.num_allocations == 0:
         return (
             f"PyTorch holds {reserved_bytes} bytes of CUDA memory but the malloc hook saw no "
             "cudaMalloc: the memory came another way (expandable_segments switched on at run "
             "time, or a CUDA runtime linked statically), so none of it is registered with cuFile"
         )
-    return None
+    return registration_shortfall(current, reserved_bytes)
 
 
 def gds_registration_problem() -> str | None:
@@ -40,8 +114,9 @@ def gds_registration_problem() -> str | None:
 
     Returns:
         A message naming the cause and the fix, or None when the hook is preloaded, enabled,
-        every allocation it saw that was large enough got registered, and PyTorch's allocator
-        hands its memory to the hook.
+        every allocation it saw that was large enough got registered, PyTorch's allocator
+        hands its memory to the hook, and (``TBA_HOOK_REGISTER=all``) at least half of what
+        PyTorch reserves is registered (Note [Registration shortfall]).
 
     Example:
         >>> from tba import malloc_hook
@@ -69,4 +144,4 @@ def gds_registration_problem() -> str | None:
             f"{current.num_failed} CUDA allocations of at least {current.min_bytes} bytes could "
             f"not be registered with cuFile; last error: {current.last_error}"
         )
-    return _torch_runtime_problem(current.num_allocations)
+    return _torch_runtime_problem(current)

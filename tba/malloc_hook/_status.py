@@ -7,19 +7,24 @@ put into the process. The ctypes structure mirrors ``struct tba_hook_status`` in
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from tba.malloc_hook._alloc_conf import allocator_problem
 from tba.malloc_hook._errors import MallocHookError
 from tba.malloc_hook._library import LIBRARY_NAME
 
-__all__ = ["HookStatus", "CufileState", "status", "set_enabled"]
+__all__ = ["HookStatus", "CufileState", "RegisterMode", "status", "set_enabled", "tagged_allocations"]
 
 CufileState = Literal["not_loaded", "ready", "missing", "broken"]
 _CUFILE_STATES: tuple[CufileState, ...] = ("not_loaded", "ready", "missing", "broken")
+RegisterMode = Literal["all", "tba"]
+_REGISTER_MODES: tuple[RegisterMode, ...] = ("all", "tba")
+_SKIP_COUNTERS = ("num_skipped_capturing", "num_skipped_untagged")
 
 _COUNTERS = (
     "enabled",
@@ -37,7 +42,11 @@ _COUNTERS = (
 
 
 class _StatusStruct(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in _COUNTERS] + [("cufile_state", ctypes.c_int64)]
+    _fields_ = (
+        [(name, ctypes.c_uint64) for name in _COUNTERS]
+        + [("cufile_state", ctypes.c_int64), ("register_mode", ctypes.c_uint64)]
+        + [(name, ctypes.c_uint64) for name in _SKIP_COUNTERS]
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +76,13 @@ class HookStatus:
             found; tried again at the next allocation) or ``broken`` (loaded but unusable).
         allocator_problem: why PyTorch's allocator settings hide its memory from the hook
             (``expandable_segments``, ``backend:cudaMallocAsync``), or None.
+        register_mode: ``all`` (every allocation of at least ``min_bytes``) or ``tba`` (only
+            those made inside ``tagged_allocations()``: tba's reload buffers), from
+            ``TBA_HOOK_REGISTER``.
+        num_skipped_capturing: allocations left unregistered because they were made during a
+            CUDA graph capture.
+        num_skipped_untagged: allocations left unregistered because the mode is ``tba`` and
+            the allocating thread was not tagged.
     """
 
     preloaded: bool
@@ -84,6 +100,9 @@ class HookStatus:
     max_segments: int
     cufile_state: CufileState
     allocator_problem: str | None
+    register_mode: RegisterMode = "all"
+    num_skipped_capturing: int = 0
+    num_skipped_untagged: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +111,7 @@ class _Hook:
     get_status: Any
     set_enabled: Any
     last_error: Any
+    set_thread_tagged: Any
 
 
 @functools.cache
@@ -99,7 +119,12 @@ def _preloaded_hook() -> _Hook | None:
     """The hook's functions from the global namespace, or None when it is not preloaded."""
     process = ctypes.CDLL(None)
     try:
-        hook = _Hook(process.tba_hook_get_status, process.tba_hook_set_enabled, process.tba_hook_last_error)
+        hook = _Hook(
+            process.tba_hook_get_status,
+            process.tba_hook_set_enabled,
+            process.tba_hook_last_error,
+            process.tba_hook_set_thread_tagged,
+        )
     except AttributeError:
         return None
     hook.get_status.argtypes = [ctypes.POINTER(_StatusStruct), ctypes.c_size_t]
@@ -108,6 +133,8 @@ def _preloaded_hook() -> _Hook | None:
     hook.set_enabled.restype = ctypes.c_int
     hook.last_error.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     hook.last_error.restype = ctypes.c_size_t
+    hook.set_thread_tagged.argtypes = [ctypes.c_int]
+    hook.set_thread_tagged.restype = ctypes.c_int
     return hook
 
 
@@ -151,13 +178,14 @@ def status() -> HookStatus:
             f"the preloaded {LIBRARY_NAME} reports its status in another layout than this tba "
             "expects: preload the library of this installation (python -m tba.malloc_hook --path)"
         )
-    counters = {name: int(getattr(raw, name)) for name in _COUNTERS if name != "enabled"}
+    counters = {name: int(getattr(raw, name)) for name in _COUNTERS + _SKIP_COUNTERS if name != "enabled"}
     return HookStatus(
         preloaded=True,
         enabled=bool(raw.enabled),
         last_error=_last_error(hook),
         cufile_state=_CUFILE_STATES[raw.cufile_state] if 0 <= raw.cufile_state < 4 else "broken",
         allocator_problem=problem,
+        register_mode=_REGISTER_MODES[raw.register_mode] if raw.register_mode < 2 else "all",
         **counters,
     )
 
@@ -186,3 +214,27 @@ def set_enabled(enabled: bool) -> bool:
             "LD_PRELOAD=$(python -m tba.malloc_hook --path)"
         )
     return bool(hook.set_enabled(1 if enabled else 0))
+
+
+@contextlib.contextmanager
+def tagged_allocations() -> Iterator[None]:
+    """Tags the CUDA allocations this thread makes inside the block as tba's own.
+
+    With ``TBA_HOOK_REGISTER=tba`` the hook registers only tagged allocations (Note [Tagged
+    allocations] in ``csrc/cuda_malloc_hook/hook.c``): wrap the allocation of reload buffers in
+    this. Without the hook preloaded it does nothing (there is nothing to tag), and it never
+    loads the library.
+
+    Example:
+        >>> with malloc_hook.tagged_allocations():
+        ...     buffer = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")  # doctest: +SKIP
+    """
+    hook = _preloaded_hook()
+    if hook is None:
+        yield
+        return
+    previous = hook.set_thread_tagged(1)
+    try:
+        yield
+    finally:
+        hook.set_thread_tagged(previous)

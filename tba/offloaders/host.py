@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tba.offloaders.extents import ExtentAllocator
+from tba.offloaders.host_memory import HostAllocator, HostBuffer
 
 __all__ = ["HostOffloader"]
 
@@ -18,17 +19,41 @@ _ALIGNMENT = 512
 _MIN_SLAB_BYTES = 64 << 20
 
 
+class _Slab:
+    """One host buffer carved by an extent allocator."""
+
+    __slots__ = ("buffer", "extents")
+
+    def __init__(self, buffer: HostBuffer) -> None:
+        self.buffer = buffer
+        self.extents = ExtentAllocator(buffer.num_bytes, alignment=_ALIGNMENT)
+
+
+# A token: the slab, the offset in it and the byte count.
+_Token = tuple[_Slab, int, int]
+
+
 class HostOffloader:
     """Copies storages into slabs of host memory carved by an extent allocator.
 
-    Pinned allocation costs milliseconds per call, far too slow per tensor, so memory comes in
-    large slabs that are reused step after step: the pool grows while the first steps run and,
-    once the cache reports the profiled peak (``reserve``), is rebuilt as one slab of that size
-    when it is empty. CUDA sources go to pinned slabs (fast, asynchronous copies); CPU sources
-    to pageable ones (CPU torch cannot pin).
+    Pinning costs milliseconds per call, far too slow per tensor, so memory comes in large
+    slabs that are reused step after step. CUDA sources go to pinned slabs (fast, asynchronous
+    copies), CPU sources to pageable ones (CPU torch cannot pin). Slabs are exactly the size
+    asked for and are pinned in place (Note [Pinned memory outside PyTorch's host allocator]
+    in host_memory.py); when pinning fails the pool falls back to pageable memory and warns
+    once.
+
+    Note [Reserve off the training thread]: the pool grows (doubling) while the first steps
+    run; the cache then reports the profiled peak (``reserve``). The cache calls ``reserve``
+    from where a step finishes, which can be a ``Handle.__del__`` on the autograd thread with
+    the cache's locks held, so ``reserve`` only records the size (under a lock that is never
+    held while memory is allocated, pinned or copied). The next ``store`` that finds its pool
+    empty, on a store worker thread, gives the old slabs back and allocates one slab of the
+    reserved size; so the pool never holds old and new slabs at once.
 
     Args:
         pool_bytes: preallocate this much up front (per memory kind) instead of growing.
+        allocator: where host memory comes from (tests inject one with a fake pinner).
 
     Example:
         >>> off = HostOffloader()
@@ -38,91 +63,141 @@ class HostOffloader:
 
     name = "host"
 
-    def __init__(self, pool_bytes: int = 0) -> None:
+    def __init__(self, pool_bytes: int = 0, *, allocator: HostAllocator | None = None) -> None:
         if pool_bytes < 0:
             raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
         self._initial_bytes = pool_bytes
+        self._allocator = allocator if allocator is not None else HostAllocator()
         self._lock = threading.Lock()
-        # One pool per memory kind: pinned (for CUDA sources) and pageable (for CPU sources).
-        self._slabs: dict[bool, list[tuple[torch.Tensor, ExtentAllocator]]] = {False: [], True: []}
+        # One pool per memory kind wanted: pinned (for CUDA sources) and pageable (CPU sources).
+        self._slabs: dict[bool, list[_Slab]] = {False: [], True: []}
+        self._reserve_bytes: int | None = None  # recorded by reserve() ...
+        self._reserve_pending: set[bool] = set()  # ... for these pools, not applied yet
         self._closed = False
 
     @property
     def capacity_bytes(self) -> int:
         """Bytes of host memory the pool holds now."""
         with self._lock:
-            return sum(a.capacity_bytes for slabs in self._slabs.values() for _, a in slabs)
+            return sum(s.extents.capacity_bytes for slabs in self._slabs.values() for s in slabs)
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return sum(a.used_bytes for slabs in self._slabs.values() for _, a in slabs)
+            return sum(s.extents.used_bytes for slabs in self._slabs.values() for s in slabs)
 
-    def _new_slab(self, pinned: bool, num_bytes: int) -> tuple[torch.Tensor, ExtentAllocator]:
-        buf = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
-        logger.debug("host pool: new %s slab of %d bytes", "pinned" if pinned else "pageable", num_bytes)
-        return buf, ExtentAllocator(num_bytes, alignment=_ALIGNMENT)
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory pinned (registered with CUDA) now."""
+        return self._allocator.pinned_bytes
 
-    def _allocate(self, pinned: bool, num_bytes: int) -> tuple[int, int]:
+    @property
+    def num_pin_failures(self) -> int:
+        """Slabs that wanted pinned memory and got pageable memory instead."""
+        return self._allocator.num_pin_failures
+
+    def _new_slab(self, pinned: bool, num_bytes: int) -> _Slab:
+        """A slab of ``num_bytes`` (no lock held: pinning takes milliseconds per MiB)."""
+        buffer = self._allocator.allocate(num_bytes, pinned=pinned)
+        logger.debug("host pool: new %s slab of %d bytes", "pinned" if buffer.pinned else "pageable", num_bytes)
+        return _Slab(buffer)
+
+    def _take(self, pinned: bool, num_bytes: int) -> tuple[_Slab, int] | None:
+        """An extent in a live slab of the ``pinned`` pool (lock held), or None."""
+        if self._closed:
+            raise RuntimeError("HostOffloader is closed")
+        for slab in self._slabs[pinned]:
+            offset = slab.extents.allocate(num_bytes)
+            if offset is not None:
+                return slab, offset
+        return None
+
+    def _allocate(self, pinned: bool, num_bytes: int) -> tuple[_Slab, int]:
+        retired: list[_Slab] = []
+        with self._lock:
+            slabs = self._slabs[pinned]
+            reserve = self._reserve_bytes if pinned in self._reserve_pending else None
+            if reserve is not None and not any(s.extents.num_allocations for s in slabs):
+                # Note [Reserve off the training thread]: the pool is empty, resize it now.
+                self._reserve_pending.discard(pinned)
+                retired, slabs[:] = list(slabs), []
+            else:
+                reserve = None
+                found = self._take(pinned, num_bytes)
+                if found is not None:
+                    return found
+            capacity = sum(s.extents.capacity_bytes for s in slabs)
+        for slab in retired:
+            slab.buffer.release()
+        if reserve is not None:
+            want = max(num_bytes, reserve)
+            logger.info("host pool sized to %d bytes from the profiled step", want)
+        else:
+            want = max(num_bytes, _MIN_SLAB_BYTES, capacity, self._initial_bytes if not capacity else 0)
+        want = (want + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+        slab = self._new_slab(pinned, want)
         with self._lock:
             if self._closed:
+                slab.buffer.release()
                 raise RuntimeError("HostOffloader is closed")
-            slabs = self._slabs[pinned]
-            for index, (_, alloc) in enumerate(slabs):
-                offset = alloc.allocate(num_bytes)
-                if offset is not None:
-                    return index, offset
-            capacity = sum(a.capacity_bytes for _, a in slabs)
-            want = max(num_bytes, _MIN_SLAB_BYTES, capacity, self._initial_bytes if not slabs else 0)
-            want = (want + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
-            slabs.append(self._new_slab(pinned, want))
-            offset = slabs[-1][1].allocate(num_bytes)
-            assert offset is not None
-            return len(slabs) - 1, offset
+            self._slabs[pinned].append(slab)
+            found = self._take(pinned, num_bytes)
+        assert found is not None
+        return found
 
-    def store(self, src: torch.Tensor) -> tuple[bool, int, int, int]:
-        pinned = src.device.type == "cuda"
+    def store(self, src: torch.Tensor) -> _Token:
+        wants_pinned = src.device.type == "cuda"
         num_bytes = src.numel()
-        index, offset = self._allocate(pinned, num_bytes)
-        buf = self._slabs[pinned][index][0]
-        _copy(buf[offset : offset + num_bytes], src, non_blocking=pinned)
-        if pinned:
-            torch.cuda.current_stream(src.device).synchronize()
-        return pinned, index, offset, num_bytes
+        slab, offset = self._allocate(wants_pinned, num_bytes)
+        buffer = slab.buffer
+        assert buffer.tensor is not None
+        _copy(buffer.tensor[offset : offset + num_bytes], src, non_blocking=buffer.pinned)
+        if buffer.pinned:
+            _wait_for_copy(src.device)
+        return slab, offset, num_bytes
 
-    def load(self, token: tuple[bool, int, int, int], dst: torch.Tensor) -> None:
-        pinned, index, offset, num_bytes = token
-        buf = self._slabs[pinned][index][0]
-        _copy(dst, buf[offset : offset + num_bytes], non_blocking=pinned)
-        if pinned and dst.device.type == "cuda":
-            torch.cuda.current_stream(dst.device).synchronize()
+    def load(self, token: _Token, dst: torch.Tensor) -> None:
+        slab, offset, num_bytes = token
+        buffer = slab.buffer
+        host = buffer.tensor
+        if host is None:
+            raise RuntimeError("HostOffloader: load of a token whose memory was released (closed)")
+        _copy(dst, host[offset : offset + num_bytes], non_blocking=buffer.pinned)
+        if buffer.pinned and dst.device.type == "cuda":
+            _wait_for_copy(dst.device)
 
-    def release(self, token: tuple[bool, int, int, int]) -> None:
-        pinned, index, offset, _ = token
+    def release(self, token: _Token) -> None:
         with self._lock:
             if self._closed:
                 return
-            alloc = self._slabs[pinned][index][1]
-        alloc.free(offset)
+            token[0].extents.free(token[1])
 
     def reserve(self, num_bytes: int) -> None:
-        """Size each pool in use to ``num_bytes``: rebuild it as one slab if it is empty and
-        fragmented or too small (the cache calls this after the profiled step)."""
+        """Size each pool to ``num_bytes`` (the profiled step's peak). Cheap and non-blocking:
+        only records the size; see Note [Reserve off the training thread]."""
+        if num_bytes <= 0:
+            return
         with self._lock:
+            self._reserve_bytes = num_bytes
             for pinned, slabs in self._slabs.items():
-                if not slabs or any(a.num_allocations for _, a in slabs):
-                    continue
-                capacity = sum(a.capacity_bytes for _, a in slabs)
-                if len(slabs) == 1 and capacity >= num_bytes:
-                    continue
-                want = (max(num_bytes, _ALIGNMENT) + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
-                slabs[:] = [self._new_slab(pinned, want)]
-                logger.info("host pool sized to %d bytes from the profiled step", want)
+                if not (len(slabs) == 1 and slabs[0].extents.capacity_bytes >= num_bytes):
+                    self._reserve_pending.add(pinned)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            slabs = [s for kind in self._slabs.values() for s in kind]
             self._slabs = {False: [], True: []}
+        for slab in slabs:
+            slab.buffer.release()
+
+
+def _wait_for_copy(device: torch.device) -> None:
+    """Block until the copy just queued on the current stream is done: an event recorded
+    after it, not the whole stream (other transfers may share it)."""
+    event = torch.cuda.Event(blocking=True)
+    event.record(torch.cuda.current_stream(device))
+    event.synchronize()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:

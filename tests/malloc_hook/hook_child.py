@@ -16,6 +16,10 @@ or RTLD_GLOBAL, or not at all. Operations:
     ["status", label]                  tba.malloc_hook.status() snapshot
     ["problem", label]                 tba.malloc_hook.gds_registration_problem()
     ["stress", threads, iterations, small_bytes, large_bytes]
+    ["malloc_capturing", name, size]   cudaMalloc as PyTorch makes it during a graph capture
+    ["legacy_capture", status]         fake runtime: legacy stream capture status (0, 1, 906)
+    ["tagged", name, size]             malloc inside tba.malloc_hook.tagged_allocations()
+    ["shortfall", label, reserved]     tba.malloc_hook.registration_shortfall(status, reserved)
     ["load", path]                     dlopen a library, as kvikio loads cuFile
     ["fake_torch", reserved_bytes, backend]   a stub ``torch`` module with CUDA "initialised"
 """
@@ -88,6 +92,8 @@ def main() -> None:
         app.app_malloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
         app.app_free.argtypes = [ctypes.c_void_p]
         app.app_stress.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t]
+        app.app_malloc_capturing.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    cudart = ctypes.CDLL(os.environ["FAKE_CUDART"]) if app is not None else None
     process = ctypes.CDLL(None)
     report: dict = {"ptrs": {}, "sizes": {}, "rcs": {}, "snapshots": {}, "problems": {}, "enable_prev": []}
     live: dict[str, int] = {}
@@ -131,6 +137,15 @@ def main() -> None:
             report["problems"][args[0]] = malloc_hook.gds_registration_problem()
         elif op == "stress":
             report["stress_errors"] = app.app_stress(*args)
+        elif op == "malloc_capturing":
+            malloc(args[0], args[1], app.app_malloc_capturing)
+        elif op == "legacy_capture":
+            cudart.fake_set_legacy_capture(args[0])
+        elif op == "tagged":
+            with malloc_hook.tagged_allocations():
+                malloc(args[0], args[1], app.app_malloc)
+        elif op == "shortfall":
+            report["problems"][args[0]] = malloc_hook.registration_shortfall(malloc_hook.status(), args[1])
         elif op == "load":
             ctypes.CDLL(args[0])
         elif op == "fake_torch":
@@ -138,8 +153,8 @@ def main() -> None:
         else:
             raise ValueError(f"unknown op {op!r}")
 
-    if app is not None:
-        cudart = ctypes.CDLL(os.environ["FAKE_CUDART"])
+    if cudart is not None:
+        report["pending_last_error"] = cudart.fake_peek_last_error()
         stats = _FakeStats()
         cudart.fake_get_stats(ctypes.byref(stats))
         report["fake"] = {name: int(getattr(stats, name)) for name, _ in _FakeStats._fields_}

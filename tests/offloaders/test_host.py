@@ -54,10 +54,13 @@ def test_pool_reuses_space_and_is_sized_by_reserve() -> None:
     grown = off.capacity_bytes
     assert off.used_bytes == 0 and grown >= (70 << 20)
     assert grown < 3 * (71 << 20)  # reused, not grown every step
-    off.reserve(100 << 20)  # empty: rebuilt as one slab of the profiled size
-    assert off.capacity_bytes == 100 << 20
+    off.reserve(100 << 20)  # recorded only: applied at the next store into an empty pool
+    assert off.capacity_bytes == grown
     token = off.store(tensors[1])
-    off.reserve(10 << 20)  # not empty: left alone
+    assert off.capacity_bytes == 100 << 20  # old slabs given back, one slab of the reserved size
+    off.reserve(10 << 20)  # one slab big enough: nothing to do
+    off.release(token)
+    token = off.store(tensors[1])
     assert off.capacity_bytes == 100 << 20
     off.release(token)
     off.close()

@@ -13,6 +13,18 @@ int app_malloc(void **ptr, size_t size) { return cudaMalloc(ptr, size); }
 
 int app_free(void *ptr) { return cudaFree(ptr); }
 
+int cudaThreadExchangeStreamCaptureMode(int *mode);
+
+/* What PyTorch's allocator does for a cudaMalloc during a graph capture: switch the thread's
+ * capture mode to relaxed around it (CUDAStreamCaptureModeGuard). */
+int app_malloc_capturing(void **ptr, size_t size) {
+    int mode = 2;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    int status = cudaMalloc(ptr, size);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    return status;
+}
+
 struct stress {
     int num_iterations;
     size_t small_bytes;

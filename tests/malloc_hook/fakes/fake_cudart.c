@@ -3,7 +3,14 @@
  * cudaMalloc hands out host memory. The fake also keeps the ground truth the tests check: which
  * pointers fake cuFile holds registered (fake_cufile.c reports to it), an ordered event log
  * (M malloc, R register, D deregister, F free), and violation counters, above all a pointer
- * freed while still registered. */
+ * freed while still registered.
+ *
+ * Graph capture, as the hook sees it (Note [No registration while capturing]): the calling
+ * thread's capture mode (cudaThreadExchangeStreamCaptureMode; PyTorch switches it to relaxed
+ * around a cudaMalloc during capture, see fake_app.c) and the legacy stream's capture status,
+ * set by fake_set_legacy_capture: 0 none, 1 active, or 906 for the
+ * cudaErrorStreamCaptureImplicit a capture on a blocking stream gives. An error returned here
+ * stays in the thread's last-error slot until cudaGetLastError, as with the real runtime. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,6 +63,48 @@ static long find_registered(const void *ptr) {
     }
     return -1;
 }
+
+static int legacy_capture;
+static _Thread_local int thread_capture_mode; /* 0 global (the default), 1 thread local, 2 relaxed */
+static _Thread_local int thread_last_error;
+
+int cudaThreadExchangeStreamCaptureMode(int *mode) {
+    int previous = thread_capture_mode;
+    thread_capture_mode = *mode;
+    *mode = previous;
+    return 0;
+}
+
+int cudaStreamIsCapturing(void *stream, int *status) {
+    if (stream != (void *)0x1) {
+        *status = 0;
+        return 0;
+    }
+    pthread_mutex_lock(&lock);
+    int capture = legacy_capture;
+    pthread_mutex_unlock(&lock);
+    if (capture == 906) {
+        thread_last_error = 906;
+        return 906;
+    }
+    *status = capture;
+    return 0;
+}
+
+int cudaGetLastError(void) {
+    int error = thread_last_error;
+    thread_last_error = 0;
+    return error;
+}
+
+void fake_set_legacy_capture(int capture) {
+    pthread_mutex_lock(&lock);
+    legacy_capture = capture;
+    pthread_mutex_unlock(&lock);
+}
+
+/* The calling thread's pending last error, without clearing it. */
+int fake_peek_last_error(void) { return thread_last_error; }
 
 int cudaMalloc(void **ptr, size_t size) {
     void *memory = malloc(size > 0 ? size : 1);
