@@ -101,8 +101,12 @@ class DeviceStreams:
     def allocate(self, device: torch.device, nbytes: int, producer: Any | None) -> tuple[torch.Tensor, Any]:
         if device.type != "cuda" or producer is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+        from tba.malloc_hook import tagged_allocations  # loads no library
+
         stream = producer[1]
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        # Tagged: with TBA_HOOK_REGISTER=tba the malloc hook registers only the segments that
+        # hold reload buffers with cuFile.
+        with torch.cuda.device(device), torch.cuda.stream(stream), tagged_allocations():
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
             ready = torch.cuda.Event()
             ready.record(stream)

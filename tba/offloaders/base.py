@@ -47,7 +47,11 @@ class Offloader(Protocol):
         ...
 
     def reserve(self, num_bytes: int) -> None:
-        """Hint from the profiled step: about ``num_bytes`` will be held at once. May do nothing."""
+        """Hint from the profiled step: about ``num_bytes`` will be held at once. May do nothing.
+
+        Called on a store worker while no transfer runs, never under the cache's locks (it may
+        take time: pinning memory, preallocating files); an exception is raised in the
+        training step."""
         ...
 
     def close(self) -> None:

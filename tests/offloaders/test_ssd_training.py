@@ -32,7 +32,8 @@ def test_gpt2_bit_exact_posix(tmp_path: Path, num_dirs: int) -> None:
     for d in drives:
         d.mkdir()
     cache = run_twins(
-        models.gpt2, models.lm_batch, steps=3, ssd_dirs=tuple(map(str, drives)), ssd_engine="posix", **_OPTIONS
+        models.gpt2, models.lm_batch, steps=3, settle=True, ssd_dirs=tuple(map(str, drives)),
+        ssd_engine="posix", **_OPTIONS
     )
     total = cache.stats(cumulative=True)
     assert total.offloaded_bytes > 0 and total.reloaded_bytes > 0 and total.num_io_errors == 0
@@ -47,8 +48,9 @@ def test_transformers_bit_exact_kvikio(tmp_path: Path, fake_libcuda: Path, name:
         from tests import models
         from tests.twin import run_twins
         cache = run_twins(
-            models.{name}, models.{batch}, steps=3, offloader="ssd", offload_devices=("cpu",),
-            min_offload_bytes=0, ssd_dirs=({str(tmp_path)!r},), ssd_engine="kvikio",
+            models.{name}, models.{batch}, steps=3, settle=True, offloader="ssd",
+            offload_devices=("cpu",), min_offload_bytes=0, ssd_dirs=({str(tmp_path)!r},),
+            ssd_engine="kvikio",
         )
         assert cache.offloader.engine == "kvikio"
         total = cache.stats(cumulative=True)

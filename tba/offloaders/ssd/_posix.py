@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tba.offloaders._stream_wait import wait_for_stream
+from tba.offloaders.host_memory import HostAllocator
 from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
 
 __all__ = ["PosixEngine", "ALIGNMENT"]
@@ -113,10 +114,12 @@ class _StagingPool:
 
     def _allocate(self) -> _Staging:
         if torch.cuda.is_available():
-            raw = torch.empty(self.chunk_bytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
-            start = -raw.data_ptr() % ALIGNMENT
-            tensor = raw[start : start + self.chunk_bytes]
-            keepalive: object = raw
+            # Exactly chunk_bytes, page-aligned, pinned with cudaHostRegister (PyTorch's pinned
+            # allocator would round chunk_bytes + alignment up to twice the size and keep it);
+            # pageable with a one-time warning where pinning fails.
+            buffer = HostAllocator().allocate(self.chunk_bytes, pinned=True)
+            tensor = buffer.tensor
+            keepalive: object = buffer
         else:
             keepalive = mmap.mmap(-1, self.chunk_bytes)
             tensor = torch.from_numpy(np.frombuffer(keepalive, dtype=np.uint8))
@@ -149,8 +152,12 @@ class _StagingPool:
 
     def clear(self) -> None:
         with self._cond:
-            self._free.clear()
+            free, self._free = self._free, []
             self._num_allocated = 0
+        for staging in free:
+            release = getattr(staging.keepalive, "release", None)
+            if release is not None:
+                release()  # unpin and unmap
 
 
 @dataclass
