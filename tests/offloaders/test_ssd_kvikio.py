@@ -175,3 +175,17 @@ def test_missing_kvikio_names_the_install(monkeypatch: pytest.MonkeyPatch, tmp_p
         off = SSDOffloader(dirs=(str(tmp_path),), engine="auto")
         assert off.engine == "posix"
         off.close()
+
+
+def test_thread_pool_is_set_to_the_offloaders_parallelism(tmp_path: Path, fake_libcuda: Path) -> None:
+    """Issue 16, finding 8: kvikio's process-wide thread pool (KVIKIO_NTHREADS, default 1) is
+    set explicitly to the offloader's I/O parallelism."""
+    code = f"""
+        import kvikio.defaults
+        from tba.offloaders.ssd import SSDOffloader
+        off = SSDOffloader(dirs=[{str(tmp_path)!r}], engine="kvikio", num_io_threads=3)
+        print("threads", kvikio.defaults.get("num_threads"))
+        off.close()
+        """
+    out = _run_kvikio(code, tmp_path, fake_libcuda)
+    assert "threads 3" in out

@@ -249,3 +249,31 @@ def test_filesystem_refusing_o_direct_at_open_uses_buffered_io(
         finally:
             off.close()
     assert sum("refuses O_DIRECT" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("misalignment", [0, 512, 4095])
+def test_pieces_start_on_aligned_memory_addresses(tmp_path: Path, misalignment: int) -> None:
+    """Issue 16, finding 8: striped pieces of a buffer start on 4 KiB-aligned memory addresses
+    (GPUDirect Storage bounces unaligned device addresses), and still cover it exactly."""
+    dirs = [tmp_path / f"d{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    off = SSDOffloader(dirs=tuple(map(str, dirs)), engine="posix", slab_bytes=4 * _MiB,
+                       stripe_min_bytes=1 * _MiB)
+    try:
+        address = 1 << 30 | misalignment
+        pieces = off._pieces(3 * _MiB + 100, address)
+        assert len(pieces) == 3
+        assert pieces[0][0] == 0 and pieces[-1][1] == 3 * _MiB + 100
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+        assert all((address + start) % 4096 == 0 for start, _, _ in pieces[1:])
+        memory = torch.zeros(3 * _MiB + 100 + misalignment, dtype=torch.uint8)
+        src = typed_tensor(3 * _MiB + 100, torch.uint8, seed=7)
+        view = memory[misalignment:]
+        view.copy_(src)
+        token = off.store(view)
+        out = torch.empty_like(src)
+        off.load(token, out)
+        assert torch.equal(out, src)
+    finally:
+        off.close()

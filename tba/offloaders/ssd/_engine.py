@@ -143,7 +143,7 @@ def select_engine(
             )
         from tba.offloaders.ssd._kvikio import KvikioEngine
 
-        built = KvikioEngine()
+        built = KvikioEngine(num_threads=num_io_threads)
         _log_choice(built.name, f"ssd_engine='kvikio' requested; {built.mode}")
         return built
     if engine == "auto":
@@ -154,7 +154,7 @@ def select_engine(
         from tba.offloaders.ssd._kvikio import KvikioEngine
 
         try:
-            built = KvikioEngine()
+            built = KvikioEngine(num_threads=num_io_threads)
         except Exception as e:  # noqa: BLE001 - auto falls back; an explicit "kvikio" raises
             return posix(f"auto: kvikio is installed but failed to start ({type(e).__name__}: {e})")
         if not built.gds:

@@ -9,6 +9,7 @@ another request of the same call failed (see Note [kvikio buffer lifetime]).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import warnings
@@ -19,6 +20,8 @@ import torch
 
 from tba.offloaders._stream_wait import wait_for_stream
 from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KvikioEngine"]
 
@@ -62,11 +65,16 @@ class KvikioEngine:
     name = "kvikio"
     exact_write_sums = False  # Note [Checksums of what was written]: the offloader re-checks
 
-    def __init__(self) -> None:
+    def __init__(self, num_threads: int | None = None) -> None:
         import kvikio
         import kvikio.defaults
 
         self._kvikio = kvikio
+        if num_threads is not None and kvikio.defaults.get("num_threads") != num_threads:
+            # kvikio's thread pool is process-wide and sized from KVIKIO_NTHREADS (default 1):
+            # set it explicitly to the transfer parallelism tba is configured for.
+            logger.info("tba SSD offloader: kvikio thread pool set to %d threads", num_threads)
+            kvikio.defaults.set("num_threads", num_threads)
         compat = kvikio.defaults.get("compat_mode")
         if not torch.cuda.is_available():
             if compat != kvikio.CompatMode.ON:

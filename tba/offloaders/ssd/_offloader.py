@@ -232,7 +232,7 @@ class SSDOffloader:
         self._raise_pending()
         extents: list[Extent] = []
         try:
-            for start, stop, slab_dir in self._pieces(src.numel()):
+            for start, stop, slab_dir in self._pieces(src.numel(), src.data_ptr()):
                 slab, offset, serial = slab_dir.allocate(stop - start)
                 extents.append(Extent(slab_dir, slab, offset, start, stop, serial))
             requests = [request_for(e, src) for e in extents]
@@ -357,21 +357,27 @@ class SSDOffloader:
                 "exit or on SIGTERM/SIGINT); build a new one to offload again"
             )
 
-    def _pieces(self, num_bytes: int) -> list[tuple[int, int, SlabDir]]:
-        """Split ``[0, num_bytes)`` into aligned pieces, one per directory used, rotating the start."""
+    def _pieces(self, num_bytes: int, address: int = 0) -> list[tuple[int, int, SlabDir]]:
+        """Split ``[0, num_bytes)`` of a buffer at ``address`` into pieces, one per directory
+        used, rotating the start. Every piece but the first starts on a 4 KiB-aligned memory
+        address (GPUDirect Storage moves aligned device addresses without bouncing; the file
+        offsets are aligned by the slab allocator)."""
         if num_bytes == 0:
             return []
         num_dirs = len(self._dirs)
         num_pieces = max(1, min(num_dirs, num_bytes // self._stripe_min_bytes))
         per_piece = -(-num_bytes // num_pieces)
-        piece = -(-per_piece // ALIGNMENT) * ALIGNMENT  # pieces start on aligned offsets
+        piece = -(-per_piece // ALIGNMENT) * ALIGNMENT
+        lead = -address % ALIGNMENT  # bytes before the first aligned address
         with self._lock:
             first = self._next_dir
             self._next_dir = (first + 1) % num_dirs
-        pieces = []
-        for i, start in enumerate(range(0, num_bytes, piece)):
-            pieces.append((start, min(start + piece, num_bytes), self._dirs[(first + i) % num_dirs]))
-        return pieces
+        bounds = [0] + [b for b in range(lead + piece, num_bytes, piece)] + [num_bytes]
+        return [
+            (start, stop, self._dirs[(first + i) % num_dirs])
+            for i, (start, stop) in enumerate(zip(bounds, bounds[1:]))
+            if stop > start
+        ]
 
 
 def _check_bytes(tensor: torch.Tensor, what: str) -> None:
