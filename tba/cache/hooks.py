@@ -156,6 +156,10 @@ class CacheHooks:
         self._handles: list[Any] = []
         self._hint: StageHint | None = None
         self._warned_functorch = False
+        # While set, forwards enter this pack hook instead of ``_pack`` (a wrapper that samples
+        # what is saved, Note [Loud when it does nothing]); told when a forward runs without grad.
+        self.sampled_pack: Any = None
+        self.on_forward_skipped: Any = None
         self.closed = False
         self.stage_log: Any = None  # set by the cache
 
@@ -197,6 +201,8 @@ class CacheHooks:
     # ------------------------------------------------------------------ module hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or compat.in_backward():
+            if self.on_forward_skipped is not None:
+                self.on_forward_skipped(compat.in_backward())
             return
         if compat.in_functorch_transform():
             self._functorch_note()
@@ -214,7 +220,8 @@ class CacheHooks:
         with self._lock:
             self._num_active += 1
             self._begin_record(state, args)
-        state.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        pack = self._pack if self.sampled_pack is None else self.sampled_pack
+        state.ctx = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
         state.ctx.__enter__()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
