@@ -7,10 +7,12 @@ of these, this module is the only place to mend.
 from __future__ import annotations
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 
 __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
-    "is_functorch_wrapped", "in_functorch_transform", "STAMP_ATTR", "FAMILY_ATTR",
+    "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "STAMP_ATTR",
+    "FAMILY_ATTR",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -72,3 +74,9 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a torch.func (functorch) wrapper: a grad or vmap level's tensor,
     whose storage cannot be reached."""
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` / ``torch.autograd.profiler`` session is running: the
+    module flag torch's own Python fast paths read (set on start, cleared on stop)."""
+    return _autograd_profiler._is_profiler_enabled

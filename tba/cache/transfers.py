@@ -17,6 +17,7 @@ import torch
 
 from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.entries import HOLDS_DATA, Entry, State
+from tba.cache.profiler_ranges import LoadDone, transfer_range
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
@@ -329,7 +330,7 @@ class Transfers:
 
     def _queue_load(self, entry: Entry) -> None:
         entry.state = State.LOADING
-        entry.load_done = threading.Event()
+        entry.load_done = LoadDone(entry.scope)  # Note [Profiler ranges]: waits are stalls
         self._load_q.append(entry)
         self._start_workers()
         self.cond.notify_all()
@@ -376,7 +377,7 @@ class Transfers:
             start = time.perf_counter()
             token, failure = None, None
             try:
-                with self.streams.transfer(entry.device, "store", event):
+                with transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
                     token = self.offloader.store(src)
             except Exception as exc:  # re-raised on the training thread, never swallowed
                 failure = exc
@@ -454,7 +455,7 @@ class Transfers:
             start = time.perf_counter()
             dst, event, failure = None, None, None
             try:
-                with self.streams.transfer(entry.device, "load", None):
+                with transfer_range("load", entry), self.streams.transfer(entry.device, "load", None):
                     dst = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
                     self.offloader.load(token, dst)
                     event = self.streams.loaded_event(entry.device)
