@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tba import _torch_compat as compat
 from tba.cache.entries import Handle
 from tba.cache.policy import Boundary
 from tba.cache.stats import CacheStats, format_bytes
@@ -106,6 +107,7 @@ class NoOffloadDiagnosis:
                     sample.max_unmanaged_bytes[kind] = nbytes
             return packed
 
+        compat.keep_dynamo_out(sampled_pack)  # Note [tba under torch.compile]
         return sampled_pack
 
     def forward_skipped(self, in_backward: bool) -> str | None:

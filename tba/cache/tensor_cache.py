@@ -258,6 +258,7 @@ class TensorCache:
                 self._hooks.sampled_pack = None
         engine.trace.end_step()
         self._hooks.step_finished()
+        self._hooks.note_compile()
         if self._check:
             self._check_invariants()
 
