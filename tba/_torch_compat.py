@@ -6,11 +6,16 @@ of these, this module is the only place to mend.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.autograd.profiler as _autograd_profiler
 
 __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
-    "is_functorch_wrapped", "in_functorch_transform", "capturing", "STAMP_ATTR", "FAMILY_ATTR",
+    "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "is_compiling",
+    "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "capturing", "STAMP_ATTR",
+    "FAMILY_ATTR",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -78,3 +83,103 @@ def capturing(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a CUDA tensor saved while the current stream captures a CUDA
     graph (the runtime is asked only for CUDA tensors)."""
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` / ``torch.autograd.profiler`` session is running: the
+    module flag torch's own Python fast paths read (set on start, cleared on stop)."""
+    return _autograd_profiler._is_profiler_enabled
+
+
+# ---------------------------------------------------------------------------- torch.compile
+# Note [tba under torch.compile]: Dynamo inlines the module hooks a compiled ``_call_impl``
+# runs (tba's unit hooks under ``block.compile()``, every hook under whole-model compile) and
+# would trace their bodies (thread-local state, saved-tensor hooks, locks: one graph break
+# each, and worse). Instead a hook traced by Dynamo calls ``call_outside_compile``, which Dynamo
+# treats as a ``torch.compiler.disable``d function: one graph break per hook call, the hook
+# body runs eagerly between graphs. Those breaks are the unit boundaries tba needs anyway: the
+# tensors a compiled graph saves are packed together when that graph returns (pytorch#148222),
+# so without a break at each unit nothing would be offloaded before the whole forward ends.
+# The saved-tensor hooks and the other Python entry points that autograd calls from C++ while
+# compiled code runs (pack, unpack, a handle's release, grad_fn pre-hooks) are marked for
+# Dynamo's frame evaluator to skip, with every frame they call (``keep_dynamo_out``): no
+# wrapper, no cost in eager mode. Under ``fullgraph=True`` a hook refuses at trace time with a
+# TBAError that names the per-block recipe (``note_traced_hook``). Marking functions by hand
+# instead of ``torch.compiler.disable`` keeps ``import torch._dynamo`` (over a second) out of
+# configuring a cache that is never compiled. Checked against torch 2.13; where these Dynamo
+# internals are missing, tba's hooks are traced like any user code.
+# Tested by tests/cache/test_compile.py.
+
+FULLGRAPH_MESSAGE = (
+    "tba: torch.compile(..., fullgraph=True) cannot trace tba's module hooks, which must run "
+    "outside the compiled graphs at each block boundary (pytorch#148222: a compiled graph's "
+    "saved tensors are packed only when it returns). Compile each block instead and configure "
+    "tba afterwards, so tba's hooks sit on the compiled wrappers and run outside them: "
+    "'for i, block in enumerate(model.blocks): model.blocks[i] = torch.compile(block, "
+    "fullgraph=True)', then 'tba.configure_tensor_cache(model, ...)' (docs/integrations.md, "
+    "torch.compile); or compile without fullgraph=True (tba then breaks the graph at each block)"
+)
+
+
+def is_compiling() -> bool:
+    """True while Dynamo traces the calling code (a constant inside a compiled graph)."""
+    return torch.compiler.is_compiling()
+
+
+def call_outside_compile(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; Dynamo does not trace this call (it breaks the graph and runs
+    it eagerly) nor, with ``keep_dynamo_out``, any frame below it."""
+    return fn(*args, **kwargs)
+
+
+call_outside_compile._torchdynamo_disable = True  # type: ignore[attr-defined]
+call_outside_compile._torchdynamo_disable_msg = FULLGRAPH_MESSAGE  # type: ignore[attr-defined]
+
+_refusal_class: type | None = None
+num_traced_hooks = 0  # tba hooks Dynamo traced, process-wide (Note [tba under torch.compile])
+
+
+def _at_trace_time(ctx: Any) -> None:
+    """Run by Dynamo at trace time (``comptime``): count, and raise under ``fullgraph=True``."""
+    global _refusal_class, num_traced_hooks
+    num_traced_hooks += 1
+    tx = getattr(ctx, "_ComptimeContext__tx", None)
+    if tx is None or not getattr(tx, "one_graph", False):
+        return
+    if _refusal_class is None:
+        from torch._dynamo.exc import Unsupported
+
+        from tba.errors import TBAError
+
+        # A TBAError for the user, an Unsupported for Dynamo (which lets it through as is
+        # under fullgraph=True instead of wrapping it as an internal error).
+        _refusal_class = type("TBACompileError", (TBAError, Unsupported), {"__module__": "tba"})
+    raise _refusal_class(FULLGRAPH_MESSAGE)
+
+
+def note_traced_hook() -> None:
+    """Called only while Dynamo traces a tba hook (``is_compiling()``): counts it in
+    ``num_traced_hooks`` and, under ``fullgraph=True``, raises a TBAError at trace time, i.e.
+    at the first forward."""
+    from torch._dynamo.comptime import comptime  # loaded: Dynamo is tracing
+
+    comptime(_at_trace_time)
+
+
+def keep_dynamo_out(*functions: Any) -> None:
+    """Have Dynamo's frame evaluator skip ``functions`` and every frame they call (they run
+    as plain Python even when called from compiled code). Idempotent; no-op on torch builds
+    without ``set_code_exec_strategy``."""
+    try:
+        from torch._C._dynamo import eval_frame
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return
+    setter = getattr(eval_frame, "set_code_exec_strategy", None)
+    action = getattr(eval_frame, "_FrameAction", None)
+    strategy = getattr(eval_frame, "_FrameExecStrategy", None)
+    if setter is None or action is None or strategy is None:
+        return
+    for fn in functions:
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            setter(code, strategy(action.SKIP, action.SKIP))

@@ -67,7 +67,10 @@ def _make_inert() -> Any:
 class ModuleHook:
     """A module hook that belongs to one cache. A copy of the model (``copy.deepcopy``,
     ``torch.save``/``pickle``) gets an inert hook instead: the copy behaves like a model that
-    was never configured, and the original keeps its cache."""
+    was never configured, and the original keeps its cache.
+
+    Traced by Dynamo (its module runs inside compiled code), the hook breaks the graph and
+    runs outside it (Note [tba under torch.compile])."""
 
     __slots__ = ("fn",)
 
@@ -75,6 +78,9 @@ class ModuleHook:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if compat.is_compiling():
+            compat.note_traced_hook()
+            return compat.call_outside_compile(self.fn, *args, **kwargs)
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -187,6 +193,12 @@ class CacheHooks:
         self._warned_capture = False
         self.num_captured = 0
         self.num_record_stream = 0
+        # While set, forwards enter this pack hook instead of ``_pack`` (a wrapper that samples
+        # what is saved, Note [Loud when it does nothing]); told when a forward runs without grad.
+        self.sampled_pack: Any = None
+        self.on_forward_skipped: Any = None
+        self._traced_at_start = compat.num_traced_hooks  # Note [tba under torch.compile]
+        self._warned_compiled = False
         self.closed = False
         self.stage_log: Any = None  # set by the cache
 
@@ -194,6 +206,13 @@ class CacheHooks:
     def install(self) -> None:
         add = self._handles.append
         model = self.model
+        # Note [tba under torch.compile]: what autograd calls from C++ while compiled code runs.
+        # A hook called as a frame of its own (by a ``_call_impl`` Dynamo does not trace) runs
+        # as plain Python; one Dynamo inlines takes the compiled branch of ModuleHook.__call__.
+        compat.keep_dynamo_out(
+            compat.call_outside_compile, ModuleHook.__call__, CacheHooks._pack,
+            CacheHooks._unpack, CacheHooks._backward_signal, Handle.__del__,
+        )
         add(model.register_forward_pre_hook(ModuleHook(self._root_pre)))
         add(model.register_forward_hook(ModuleHook(self._root_post), always_call=True))
         for unit in self.units:
@@ -206,6 +225,25 @@ class CacheHooks:
             if name and matches(module, name, skip):
                 add(module.register_forward_pre_hook(ModuleHook(self._skip_pre)))
                 add(module.register_forward_hook(ModuleHook(self._skip_post), always_call=True))
+
+    def note_compile(self) -> None:
+        """Say once when Dynamo traced tba's hooks since the cache was made (Note [tba under
+        torch.compile]): the model runs inside compiled code and breaks at tba's units."""
+        if self._warned_compiled or compat.num_traced_hooks == self._traced_at_start:
+            return
+        self._warned_compiled = True
+        warnings.warn(
+            "tba: the model runs under torch.compile with tba's module hooks inside the compiled "
+            "code: Dynamo breaks the graph where it meets them, at the boundaries of tba's "
+            f"{len(self.units)} units (blocks and the modules around them), and the hooks run "
+            "outside the graphs. Those breaks are what lets tba offload during forward: a "
+            "compiled graph's saved tensors are packed only when it returns (pytorch#148222). "
+            "For no breaks from tba, compile each block (torch.compile(block) or "
+            "block.compile()) instead of the whole model (docs/integrations.md, torch.compile). "
+            "(Shown once.)",
+            UserWarning,
+            stacklevel=1,
+        )
 
     def remove(self) -> None:
         """Remove every module hook and every grad_fn pre-hook of live graphs; leave the
@@ -228,6 +266,8 @@ class CacheHooks:
     # ------------------------------------------------------------------ module hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or compat.in_backward():
+            if self.on_forward_skipped is not None:
+                self.on_forward_skipped(compat.in_backward())
             return
         if compat.in_functorch_transform():
             self._functorch_note()
@@ -249,7 +289,8 @@ class CacheHooks:
         with self._lock:
             self._num_active += 1
             self._begin_record(state, args)
-        state.ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        pack = self._pack if self.sampled_pack is None else self.sampled_pack
+        state.ctx = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
         state.ctx.__enter__()
 
     def _forget_interrupted_forward(self, state: _ThreadState) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CacheStats"]
+__all__ = ["CacheStats", "format_bytes", "format_summary"]
 
 
 @dataclasses.dataclass
@@ -83,11 +83,64 @@ class CacheStats:
         self.write_bytes_per_s = self.offloaded_bytes / self.write_s if self.write_s > 0 else 0.0
         self.read_bytes_per_s = self.reloaded_bytes / self.read_s if self.read_s > 0 else 0.0
 
+    def __str__(self) -> str:
+        """A readable report (``print(cache.stats())``); ``repr`` keeps every raw field.
 
-def format_summary(rows: list[tuple[int, CacheStats, int]], num_blocks: int, decision: object) -> str:
+        Example:
+            >>> print(CacheStats(num_steps=1, num_offloaded=2, offloaded_bytes=3 << 20,
+            ...                  write_s=0.003).merged(CacheStats()))  # doctest: +ELLIPSIS
+            tba cache, 1 step:
+              offloaded      3.0 MiB in 2 stores, write 1.05 GB/s
+            ...
+        """
+        steps = f"{self.num_steps} step" + ("" if self.num_steps == 1 else "s")
+        lines = [
+            f"tba cache, {steps}:",
+            f"  offloaded {format_bytes(self.offloaded_bytes):>12} in {self.num_offloaded} "
+            f"stores, write {_rate(self.write_bytes_per_s)}",
+            f"  reloaded  {format_bytes(self.reloaded_bytes):>12}, read "
+            f"{_rate(self.read_bytes_per_s)}, {self.num_sync_loads} loads not prefetched",
+            f"  kept      {format_bytes(self.kept_bytes):>12} in memory, peak resident "
+            f"{format_bytes(self.peak_resident_bytes)}",
+            f"  waits     stall {self.stall_s * 1e3:.1f} ms (backward on loads), store wait "
+            f"{self.store_wait_s * 1e3:.1f} ms (forward on max_inflight_bytes)",
+            f"  saves     {self.num_packed} packed, {self.num_deduplicated} deduplicated, "
+            f"{self.num_family_entries} family entries, {self.num_forwarded} served from "
+            f"memory, {self.num_cancelled} stores cancelled",
+        ]
+        if self.num_io_errors:
+            lines.append(f"  I/O errors {self.num_io_errors}")
+        return "\n".join(lines)
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s > 0 else "n/a (nothing timed)"
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``num_bytes`` in the largest binary unit that keeps it >= 1 (B, KiB, MiB, GiB, TiB).
+
+    Example:
+        >>> format_bytes(512), format_bytes(3 << 20), format_bytes(1536)
+        ('512 B', '3.0 MiB', '1.5 KiB')
+    """
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+def format_summary(
+    rows: list[tuple[int, CacheStats, int]],
+    num_blocks: int,
+    decision: object,
+    note: str | None = None,
+) -> str:
     """The table behind ``TensorCache.summary()``: one line per (step number, stats, number of
-    offloaded blocks)."""
-    mib, gib = 2**20, 2**30
+    blocks the policy offloaded), then the adaptive decision and ``note`` (why nothing was
+    offloaded) if any. A step that wrote nothing shows "none" in the blocks column, whatever
+    the policy was."""
+    mib = 2**20
     header = (
         f"{'step':>5} {'offloaded MiB':>13} {'reloaded MiB':>12} {'kept MiB':>9} {'fwd':>5} "
         f"{'dedup':>5} {'write GB/s':>10} {'read GB/s':>9} {'stall ms':>8} {'peak MiB':>9} "
@@ -95,15 +148,19 @@ def format_summary(rows: list[tuple[int, CacheStats, int]], num_blocks: int, dec
     )
     lines = [header, "-" * len(header)]
     for number, s, tail_start in rows:
+        blocks = f"0-{tail_start - 1} of {num_blocks}" if tail_start and s.offloaded_bytes else (
+            f"none of {num_blocks}"
+        )
         lines.append(
             f"{number:>5} {s.offloaded_bytes / mib:>13.1f} {s.reloaded_bytes / mib:>12.1f} "
             f"{s.kept_bytes / mib:>9.1f} {s.num_forwarded:>5} {s.num_deduplicated:>5} "
-            f"{s.write_bytes_per_s / gib:>10.2f} {s.read_bytes_per_s / gib:>9.2f} "
-            f"{s.stall_s * 1e3:>8.1f} {s.peak_resident_bytes / mib:>9.1f} "
-            f"{f'0-{tail_start - 1} of {num_blocks}' if tail_start else f'none of {num_blocks}':>16}"
+            f"{s.write_bytes_per_s / 1e9:>10.2f} {s.read_bytes_per_s / 1e9:>9.2f} "
+            f"{s.stall_s * 1e3:>8.1f} {s.peak_resident_bytes / mib:>9.1f} {blocks:>16}"
         )
     if not rows:
         lines.append("(no completed step yet)")
     if decision is not None:
         lines.append(f"adaptive: {decision}")
+    if note is not None:
+        lines.append(f"note: {note}")
     return "\n".join(lines)

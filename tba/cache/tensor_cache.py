@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from tba import _env
+from tba.cache.diagnose import NoOffloadDiagnosis
 from tba.cache.entries import State
 from tba.cache.hooks import CacheHooks
 from tba.cache.policy import Boundary, BoundaryDecision
@@ -112,6 +113,13 @@ class TensorCache:
         self.stage_log: collections.deque[tuple[int, int | None, str]] = collections.deque(
             maxlen=1 << 16
         )
+        # Note [Loud when it does nothing]
+        self._diagnosis = NoOffloadDiagnosis(config, self.boundary, offloader is not None)
+        if self._diagnosis.sampling:
+            self._hooks.sampled_pack = self._diagnosis.wrap(
+                lambda tensor, hooks=self._hooks: hooks._pack(tensor)
+            )
+            self._hooks.on_forward_skipped = self._diagnosis.forward_skipped
         self._check = _env.check_invariants()
         self._stats_lock = threading.Lock()
         self._on_close: list[Callable[[], None]] = []
@@ -137,7 +145,8 @@ class TensorCache:
         deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded."""
         with self._stats_lock:
             rows = list(self._steps.history)[-last:]
-        return format_summary(rows, self.num_blocks, self.boundary.decision)
+        return format_summary(rows, self.num_blocks, self.boundary.decision,
+                              self._diagnosis.warning)
 
     def export_trace(self, path: str) -> int:
         """Write the last completed step's store, load and stall events as Chrome-trace JSON
@@ -213,11 +222,15 @@ class TensorCache:
         self.close()
 
     def __repr__(self) -> str:
+        """What the cache did, not what it would do: ``offloaded_blocks`` counts the blocks the
+        policy offloaded in the last completed step, 0 when that step wrote nothing."""
         name = self.offloader.name if self.offloader is not None else "none"
-        offloaded = self.boundary.tail_start if self.offloader is not None else 0
+        last, steps = self._steps.last, self._steps.total.num_steps
+        offloaded = self.boundary.tail_start if last.offloaded_bytes > 0 else 0
         return (
             f"TensorCache(model={type(self.model).__name__}, offloader={name!r}, "
-            f"blocks={self.num_blocks}, offloaded_blocks={offloaded}, closed={self._closed})"
+            f"blocks={self.num_blocks}, steps={steps}, offloaded_blocks={offloaded}, "
+            f"offloaded_bytes={last.offloaded_bytes} (last step), closed={self._closed})"
         )
 
     # ------------------------------------------------------------------ steps
@@ -241,8 +254,14 @@ class TensorCache:
         step.num_record_stream, hooks.num_record_stream = hooks.num_record_stream, 0
         with self._stats_lock:
             self._steps.finish(step, engine.peak_held_bytes)
+        diagnosis = self._diagnosis
+        if diagnosis.warning is None:
+            diagnosis.step_finished(step, self._steps.total.num_steps)
+            if not diagnosis.sampling:
+                self._hooks.sampled_pack = None
         engine.trace.end_step()
         self._hooks.step_finished()
+        self._hooks.note_compile()
         if self._check:
             self._check_invariants()
 

@@ -17,6 +17,7 @@ import torch
 
 from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.entries import HOLDS_DATA, Entry, State
+from tba.cache.profiler_ranges import LoadDone, transfer_range
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
@@ -348,7 +349,7 @@ class Transfers:
 
     def _queue_load(self, entry: Entry) -> None:
         entry.state = State.LOADING
-        entry.load_done = threading.Event()
+        entry.load_done = LoadDone(entry.scope)  # Note [Profiler ranges]: waits are stalls
         self._load_q.append(entry)
         self._start_workers()
         self.cond.notify_all()
@@ -403,7 +404,7 @@ class Transfers:
             start = time.perf_counter()
             token, failure = None, None
             try:
-                with self.streams.transfer(entry.device, "store", event):
+                with transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
                     token = self.offloader.store(src)
             except Exception as exc:  # re-raised on the training thread, never swallowed
                 failure = exc
@@ -541,7 +542,7 @@ class Transfers:
             try:
                 # Note [Reload buffers on the consumer's stream]
                 dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event)
-                with self.streams.transfer(entry.device, "load", ready):
+                with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
                     self.offloader.load(token, dst)
                     event = self.streams.loaded_event(entry.device)
             except Exception as exc:  # re-raised on the training thread by fetch()
