@@ -31,7 +31,7 @@ def test_auto_prefers_posix_over_kvikio_compat_mode(monkeypatch: pytest.MonkeyPa
     made: list[FakeKvikio] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_engine, "_kvikio_importable", lambda: True)
-    monkeypatch.setattr(_kvikio, "KvikioEngine", lambda: made.append(FakeKvikio(gds)) or made[-1])
+    monkeypatch.setattr(_kvikio, "KvikioEngine", lambda **kw: made.append(FakeKvikio(gds)) or made[-1])
     monkeypatch.setattr(_engine, "_log_choice", lambda name, reason: logging.getLogger("tba").warning("%s: %s", name, reason))
     with caplog.at_level(logging.WARNING, logger="tba"):
         engine = _engine.select_engine("auto", chunk_bytes=1 << 20, num_io_threads=1, num_staging_buffers=2)
