@@ -257,9 +257,10 @@ class Transfers:
         self.raise_pending()
 
     def reserve_later(self, nbytes: int) -> None:
-        """Size the offloader for ``nbytes`` held at once, on the store worker when it is
-        idle: never on the autograd thread, never under a lock (pinning gigabytes or
-        preallocating files takes time). A failure is raised in the training step."""
+        """Size the offloader for ``nbytes`` held at once, on the store worker before its next
+        store (loads go first): never on the autograd thread, never under a lock (pinning
+        gigabytes or preallocating files takes time). A failure is raised in the training
+        step."""
         with self.cond:
             self._reserve_bytes = nbytes
             self._start_workers()
@@ -382,12 +383,14 @@ class Transfers:
         while True:
             with self.cond:
                 while not self._stopping and (not self._store_q or self._load_q):
-                    if self._reserve_bytes and not self._store_q and not self._load_q:
+                    if self._reserve_bytes and not self._load_q:
                         break
                     self.cond.wait()
                 if self._stopping:
                     return
-                if not self._store_q:
+                if self._reserve_bytes and not self._load_q:
+                    # Before the next step's first store: it is sized for them (and a failure
+                    # to reserve surfaces at that store, in the step).
                     reserve, self._reserve_bytes = self._reserve_bytes, 0
                     self._reserve_now(reserve)
                     continue

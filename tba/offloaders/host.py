@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+
 import logging
 import threading
 
 import numpy as np
 import torch
+
+from tba.offloaders._byte_views import bytes_view
+from tba.offloaders._stream_wait import wait_for_stream
 
 from tba.offloaders.extents import ExtentAllocator
 from tba.offloaders.host_memory import HostAllocator, HostBuffer
@@ -195,15 +199,13 @@ class HostOffloader:
 def _wait_for_copy(device: torch.device) -> None:
     """Block until the copy just queued on the current stream is done: an event recorded
     after it, not the whole stream (other transfers may share it)."""
-    event = torch.cuda.Event(blocking=True)
-    event.record(torch.cuda.current_stream(device))
-    event.synchronize()
+    wait_for_stream(device)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:
     """Byte copy; host-to-host goes through numpy, measured ~1.6x faster than torch's uint8
     ``copy_`` on the 2-core development machines."""
     if dst.device.type == "cpu" and src.device.type == "cpu":
-        np.copyto(dst.numpy(), src.numpy())
+        np.copyto(bytes_view(dst), bytes_view(src))
     else:
         dst.copy_(src, non_blocking=non_blocking)

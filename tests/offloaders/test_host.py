@@ -84,3 +84,22 @@ def test_extent_allocator_first_fit_and_coalescing() -> None:
         a.free(4096)
     with pytest.raises(ValueError):
         ExtentAllocator(4096, alignment=3)
+
+
+def test_storing_leaves_the_source_resizable() -> None:
+    """``Tensor.numpy()`` would mark a saved storage as not resizable for good; frameworks free
+    saved storages with ``resize_(0)`` (FSDP, Megatron), which must keep working."""
+    from tba.offloaders.host import HostOffloader
+
+    off = HostOffloader()
+    try:
+        src = torch.arange(4096, dtype=torch.int32).view(torch.uint8).clone()
+        token = off.store(src)
+        assert src.untyped_storage().resizable()
+        out = torch.empty_like(src)
+        off.load(token, out)
+        assert torch.equal(out, src) and out.untyped_storage().resizable()
+        src.untyped_storage().resize_(0)
+        off.release(token)
+    finally:
+        off.close()

@@ -277,3 +277,16 @@ def test_pieces_start_on_aligned_memory_addresses(tmp_path: Path, misalignment: 
         assert torch.equal(out, src)
     finally:
         off.close()
+
+
+def test_storing_leaves_the_source_resizable(offloader: SSDOffloader) -> None:
+    """``Tensor.numpy()`` would mark a saved storage as not resizable for good; frameworks free
+    saved storages with ``resize_(0)`` (FSDP, Megatron), which must keep working."""
+    src = typed_tensor(3 * _MiB + 5, torch.uint8, seed=11)
+    token = offloader.store(src)
+    assert src.untyped_storage().resizable()
+    out = torch.empty_like(src)
+    offloader.load(token, out)
+    assert torch.equal(out, src) and out.untyped_storage().resizable()
+    src.untyped_storage().resize_(0)
+    offloader.release(token)

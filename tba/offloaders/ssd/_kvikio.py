@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tba.offloaders._byte_views import bytes_view
 from tba.offloaders._stream_wait import wait_for_stream
 from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
 
@@ -124,7 +125,7 @@ class KvikioEngine:
         pending: list[tuple[IORequest, Any, Any]] = []
         error: BaseException | None = None
         for request in requests:
-            buffer = request.buffer if request.buffer.is_cuda else request.buffer.numpy()
+            buffer = request.buffer if request.buffer.is_cuda else bytes_view(request.buffer)
             size = request.buffer.numel()
             try:
                 call = request.handle.pwrite if is_write else request.handle.pread

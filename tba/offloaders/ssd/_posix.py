@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tba.offloaders._byte_views import bytes_view
 from tba.offloaders._stream_wait import wait_for_stream
 from tba.offloaders.host_memory import HostAllocator
 from tba.offloaders.ssd._engine import IORequest, OnDone, io_error
@@ -322,7 +323,7 @@ class PosixEngine:
             _wait_for_copies(source.device)
         else:
             # numpy's copy is several times faster than torch's for uint8 on CPU.
-            np.copyto(chunk.staging.array[:n], source.numpy())
+            np.copyto(chunk.staging.array[:n], bytes_view(source))
 
     def _finish(self, chunk: _Chunk, is_write: bool, copy: bool = True) -> BaseException | None:
         """Wait for a chunk's transfer; for a staged read, copy it out; give back its buffer."""
@@ -339,7 +340,7 @@ class PosixEngine:
                     target.copy_(staging.tensor[:n], non_blocking=True)
                     _wait_for_copies(target.device)
                 else:
-                    np.copyto(target.numpy(), staging.array[:n])
+                    np.copyto(bytes_view(target), staging.array[:n])
         except BaseException as e:  # noqa: BLE001 - reported like an I/O failure
             error = e
         finally:
@@ -356,7 +357,7 @@ class PosixEngine:
             length = n if handle.direct_fd is None else -(-n // ALIGNMENT) * ALIGNMENT
             view = chunk.staging.array[:length]
         else:
-            view = request.buffer[chunk.start : chunk.stop].numpy()
+            view = bytes_view(request.buffer[chunk.start : chunk.stop])
         if is_write:
             self._write_all(handle, view, offset)
         else:
