@@ -299,19 +299,30 @@ def test_a_model_calling_itself_is_one_forward() -> None:
 
         def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
             x = torch.tanh(self.blocks[0](x))
-            return x if depth == 0 else self(x, depth - 1)
+            # sin saves its input after the nested call returned: still inside this forward
+            return x if depth == 0 else torch.sin(self(x, depth - 1))
 
     torch.manual_seed(0)
     model = Recursive()
     twin = copy.deepcopy(model)
+    activations = []  # what the twin saves that tba would manage (not parameters or their views)
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        param = (t.requires_grad and t.is_leaf) or (t._base is not None and t._base.is_leaf and t._base.requires_grad)
+        activations.append(not param)
+        return t
+
     with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0,
                                     keep_last_modules=0, adaptive=False) as cache:
         for step in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
             model(x).sum().backward()
-            twin(x).sum().backward()
+            with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+                loss = twin(x).sum()
+            loss.backward()
         stats = cache.stats(cumulative=True)
-    assert stats.num_steps >= 2 and stats.num_packed > 0
+    # Every save of the outer forward, also those after the nested call returned, went through tba.
+    assert stats.num_steps == 3 and stats.num_packed == sum(activations) > 0
     assert cache._hooks._local.depth == 0
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad)
