@@ -2,7 +2,7 @@
 
 Saved-tensor hooks are thread-local in PyTorch, so each thread that runs a forward of the
 model enters its own ``saved_tensors_hooks`` context and keeps its own nesting depth, unit
-stack and skip depth (``_ThreadState``); records, entries and transfers are shared.
+stack and skip depth (``ThreadState``); records, entries and transfers are shared.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
-import sys
 import threading
 import warnings
 from typing import Any
@@ -21,6 +19,9 @@ from torch import nn
 
 from tba import _torch_compat as compat
 from tba.cache.entries import Entry, Handle
+from tba.cache.forward_state import ThreadState, on_stack, torch_caller
+from tba.cache.module_hook import ModuleHook
+from tba.cache.packed import NESTED_TYPE_NAME, PackedSubclass, modified_error, offloadable_subclass
 from tba.cache.policy import Boundary
 from tba.cache.scopes import ForwardPass, Record, Scope, Unit, matches
 from tba.cache.stages import StageHint
@@ -30,73 +31,12 @@ from tba.cache.transfers import Transfers
 from tba.config import TensorCacheConfig
 from tba.errors import TBAError
 
-__all__ = ["CacheHooks", "ModuleHook"]
+__all__ = ["CacheHooks"]
 
 logger = logging.getLogger(__name__)
 
-_TBA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_NESTED_TYPE_NAME = "NestedTensor"
 _TENSOR = torch.Tensor
-_STRIDED = torch.strided  # torch.nested._internal.nested_tensor.NestedTensor
-
-
-def _inert_hook(*args: Any, **kwargs: Any) -> None:
-    """What a tba hook becomes in a copy of the model: nothing."""
-    return None
-
-
-# Note [Subclasses with pending work]: autograd packs an op's saved inputs *before* the op
-# runs, so a wrapper subclass that finishes its data inside ``__torch_dispatch__``
-# (``AsyncCollectiveTensor`` waits on its collective there) is packed while a collective may
-# still be writing it: copying its inner tensor then would read a buffer NCCL is filling. Only
-# subclasses known to hold finished plain data are flattened and offloaded: DTensor, jagged
-# NestedTensor, float8 training tensors; every other subclass (and any of those whose inner
-# tensors are such subclasses: they go through this check again) stays with autograd.
-_OFFLOADABLE_SUBCLASS_NAMES = frozenset({"DTensor", "NestedTensor"})
-
-
-def _offloadable_subclass(cls: type) -> bool:
-    name = cls.__name__
-    return name in _OFFLOADABLE_SUBCLASS_NAMES or "Float8" in name
-
-
-def _make_inert() -> Any:
-    return _inert_hook
-
-
-class ModuleHook:
-    """A module hook that belongs to one cache. A copy of the model (``copy.deepcopy``,
-    ``torch.save``/``pickle``) gets an inert hook instead: the copy behaves like a model that
-    was never configured, and the original keeps its cache.
-
-    Traced by Dynamo (its module runs inside compiled code), the hook breaks the graph and
-    runs outside it (Note [tba under torch.compile])."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if compat.is_compiling():
-            compat.note_traced_hook()
-            return compat.call_outside_compile(self.fn, *args, **kwargs)
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> Any:
-        return _inert_hook
-
-    def __reduce__(self) -> tuple:
-        return (_make_inert, ())
-
-
-class _PackedSubclass:
-    """What autograd keeps for a wrapper-subclass tensor: its packed inner tensors."""
-
-    __slots__ = ("cls", "inner", "context", "size", "stride")
-
-    def __init__(self, cls: type, inner: dict, context: Any, size: Any, stride: Any) -> None:
-        self.cls, self.inner, self.context, self.size, self.stride = cls, inner, context, size, stride
+_STRIDED = torch.strided
 
 
 # Note [Parameters are never offloaded]: a parameter's bytes are held by its module anyway:
@@ -107,49 +47,6 @@ class _PackedSubclass:
 # Autograd saves a parameter itself (a leaf that requires grad) or a view of it (``linear``
 # saves ``weight.t()``, whose ``_base`` is the parameter): both are left to autograd.
 # ``_param_ptrs`` covers DTensor shards and buffers. Tested by tests/integrations/test_fsdp.py.
-
-
-def _torch_caller() -> Any:
-    """The first frame above tba's own: the module call that ran the hook."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_TBA_DIR):
-        frame = frame.f_back
-    return frame
-
-
-def _on_stack(frame_id: int, caller: Any) -> bool:
-    """Whether a frame with ``frame_id`` runs above ``caller`` (the current call's frame)."""
-    frame = caller.f_back if caller is not None else None
-    while frame is not None:
-        if id(frame) == frame_id:
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.caller_id = 0  # id of the frame of the outermost forward call running
-        self.depth = 0
-        self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
-        self.forward = ForwardPass()
-
-
-def modified_error(
-    shape: tuple, dtype: torch.dtype, where: str | None, expected: int, found: int | None
-) -> TBAError:
-    """PyTorch's in-place error, raised by tba where autograd no longer checks."""
-    found_text = (
-        f"is at version {found}" if found is not None
-        else "was modified in place while tba was offloading it"
-    )
-    return TBAError(
-        "one of the variables needed for gradient computation has been modified by an inplace "
-        f"operation: [{dtype} {list(shape)}], saved for backward in {where or 'the model'}, "
-        f"{found_text}; expected version {expected} instead. (tba checks this because autograd "
-        "does not under saved_tensors_hooks.) Hint: clone the tensor before modifying it in "
-        "place, or make the modification out-of-place."
-    )
 
 
 class CacheHooks:
@@ -180,7 +77,7 @@ class CacheHooks:
         self._device_only = next(iter(self._devices)) if len(self._devices) == 1 else None
         self._offloading = engine.offloader is not None
         self._lock = threading.RLock()  # records, hint, step transitions
-        self._local = _ThreadState()
+        self._local = ThreadState()
         self._num_active = 0  # forwards running, all threads
         self._records: dict[tuple[int, int], Record] = {}
         self._auto_keys = itertools.count()
@@ -273,8 +170,8 @@ class CacheHooks:
             self._functorch_note()
             return  # torch.func refuses saved-tensor hooks: autograd keeps everything
         state = self._local
-        caller = _torch_caller()
-        if state.depth and not _on_stack(state.caller_id, caller):
+        caller = torch_caller()
+        if state.depth and not on_stack(state.caller_id, caller):
             self._forget_interrupted_forward(state)
         state.depth += 1
         if state.depth > 1:
@@ -293,7 +190,7 @@ class CacheHooks:
         state.ctx = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
         state.ctx.__enter__()
 
-    def _forget_interrupted_forward(self, state: _ThreadState) -> None:
+    def _forget_interrupted_forward(self, state: ThreadState) -> None:
         """Note [Interrupted forwards]: torch runs ``always_call`` forward hooks for
         ``Exception`` only, so a ``KeyboardInterrupt`` (or ``SystemExit``) raised inside the
         model's forward skips ``_root_post``: this thread's depth, saved-tensor hooks and
@@ -328,7 +225,7 @@ class CacheHooks:
             if self._num_active == 0:
                 self.steps.end_forward()
 
-    def _begin_record(self, state: _ThreadState, args: Any) -> None:
+    def _begin_record(self, state: ThreadState, args: Any) -> None:
         steps, hint = self.steps, self._hint
         if steps.open and hint is None and self._num_active == 1:
             if self.table.num_entries == 0:
@@ -494,11 +391,11 @@ class CacheHooks:
         offsets identify its ragged dimension: they are never replaced)."""
         if tensor.requires_grad and tensor.is_leaf:
             return (tensor, tensor._version)  # a parameter
-        if not _offloadable_subclass(type(tensor)):
+        if not offloadable_subclass(type(tensor)):
             self._note_unsafe_subclass(type(tensor))
             return (tensor, tensor._version)
         names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
-        nested = type(tensor).__name__ == _NESTED_TYPE_NAME
+        nested = type(tensor).__name__ == NESTED_TYPE_NAME
         inner: dict[str, Any] = {}
         for name in names:
             value = getattr(tensor, name)
@@ -511,9 +408,9 @@ class CacheHooks:
             elif type(packed) is tuple:
                 packed = value
             inner[name] = packed
-        if not any(type(p) in (Handle, _PackedSubclass) for p in inner.values()):
+        if not any(type(p) in (Handle, PackedSubclass) for p in inner.values()):
             return (tensor, tensor._version)
-        return _PackedSubclass(type(tensor), inner, context, tensor.size(), tensor.stride())
+        return PackedSubclass(type(tensor), inner, context, tensor.size(), tensor.stride())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         cls = type(packed)
@@ -522,8 +419,8 @@ class CacheHooks:
             if tensor._version != version:
                 raise modified_error(tuple(tensor.shape), tensor.dtype, None, version, tensor._version)
             return tensor
-        if cls is _PackedSubclass:
-            inner = {name: self._unpack(p) if type(p) in (Handle, _PackedSubclass, tuple) else p
+        if cls is PackedSubclass:
+            inner = {name: self._unpack(p) if type(p) in (Handle, PackedSubclass, tuple) else p
                      for name, p in packed.inner.items()}
             return packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
         if cls is not Handle:

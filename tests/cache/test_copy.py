@@ -25,13 +25,13 @@ OPTIONS = dict(offloader="host", offload_devices=("cpu",), min_offload_bytes=0,
 
 def hook_counts(model: nn.Module) -> list[int]:
     """Hooks that can act, per module. A copy keeps the hook slots of the original (torch
-    copies the hook dicts) but tba's hooks become ``tba.cache.hooks._inert_hook``, which
+    copies the hook dicts) but tba's hooks become ``tba.cache.module_hook.inert_hook``, which
     does nothing: those are not counted."""
-    from tba.cache.hooks import _inert_hook
+    from tba.cache.module_hook import inert_hook
 
     return [
         sum(
-            hook is not _inert_hook
+            hook is not inert_hook
             for hooks in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks,
                           m._backward_pre_hooks)
             for hook in hooks.values()

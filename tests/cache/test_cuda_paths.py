@@ -90,13 +90,13 @@ def test_subclasses_not_known_safe_stay_with_autograd() -> None:
     among them) is not flattened: pack hands autograd the tensor itself."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    from tba.cache.hooks import _offloadable_subclass
+    from tba.cache.packed import offloadable_subclass
 
-    assert not _offloadable_subclass(AsyncCollectiveTensor)
-    assert not _offloadable_subclass(PendingWork)
+    assert not offloadable_subclass(AsyncCollectiveTensor)
+    assert not offloadable_subclass(PendingWork)
     from torch.distributed.tensor import DTensor
 
-    assert _offloadable_subclass(DTensor)
+    assert offloadable_subclass(DTensor)
     model = models.Stack(num_blocks=2)
     cache = make_cache(model, FakeOffloader())
     try:

@@ -1,0 +1,45 @@
+"""Per-thread forward state of the hooks, and how an interrupted forward is recognised
+(Note [Interrupted forwards] in tba/cache/hooks.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from tba.cache.scopes import ForwardPass
+
+__all__ = ["ThreadState", "torch_caller", "on_stack"]
+
+_TBA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torch_caller() -> Any:
+    """The first frame above tba's own: the module call that ran the hook."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TBA_DIR):
+        frame = frame.f_back
+    return frame
+
+
+def on_stack(frame_id: int, caller: Any) -> bool:
+    """Whether a frame with ``frame_id`` runs above ``caller`` (the current call's frame)."""
+    frame = caller.f_back if caller is not None else None
+    while frame is not None:
+        if id(frame) == frame_id:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class ThreadState(threading.local):
+    """One thread's forward of the model: nesting depth, its saved-tensor hooks, its units."""
+
+    def __init__(self) -> None:
+        self.caller_id = 0  # id of the frame of the outermost forward call running
+        self.depth = 0
+        self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.forward = ForwardPass()
