@@ -1,0 +1,253 @@
+"""The store and load workers of the transfer engine (``Transfers``), and how their failures
+are accounted.
+
+``TransferWorkers`` is the worker side of ``Transfers``: it runs on the worker threads and uses
+the engine's lock, queues and counters (defined by ``Transfers``); everything here happens
+either under that lock or with an offloader call outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any
+
+from tba._torch_compat import release_alias, storage_bytes
+from tba.cache.entries import Entry, State
+from tba.cache.profiler_ranges import transfer_range
+from tba.errors import OffloadIOError
+
+__all__ = ["TransferWorkers"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Resized(Exception):
+    """A store's source storage changed size while it was being copied."""
+
+
+class TransferWorkers:
+    """Worker-thread methods of ``Transfers`` (a mixin: state lives in ``Transfers``)."""
+
+    cond: Any
+    offloader: Any
+    streams: Any
+    trace: Any
+    step: Any
+    error: BaseException | None
+
+    def _fail(self, entry: Entry, what: str, exc: BaseException) -> BaseException:
+        assert self.offloader is not None
+        self.step.num_io_errors += 1
+        if isinstance(exc, OffloadIOError):
+            return exc
+        error = OffloadIOError(
+            f"{what} of {entry.nbytes} bytes through the {self.offloader.name!r} offloader "
+            f"failed: {type(exc).__name__}: {exc}",
+            num_bytes=entry.nbytes,
+        )
+        error.__cause__ = exc
+        return error
+
+    # ----------------------------------------------------------------- workers
+    def _store_worker(self) -> None:
+        assert self.offloader is not None
+        while True:
+            with self.cond:
+                while not self._stopping and (not self._store_q or self._load_q):
+                    if self._reserve_bytes and not self._load_q:
+                        break
+                    self.cond.wait()
+                if self._stopping:
+                    return
+                if self._reserve_bytes and not self._load_q:
+                    # Before the next step's first store: it is sized for them (and a failure
+                    # to reserve surfaces at that store, in the step).
+                    reserve, self._reserve_bytes = self._reserve_bytes, 0
+                    self._reserve_now(reserve)
+                    continue
+                entry = self._store_q.popleft()
+                if entry.state is not State.QUEUED:
+                    continue  # cancelled while queued
+                storage, event = entry.data, entry.event
+                assert storage is not None
+                if storage.nbytes() != entry.nbytes:
+                    self._resized(entry)
+                    continue
+                entry.state = State.STORING
+            src = storage_bytes(storage)
+            start = time.perf_counter()
+            token, failure = None, None
+            try:
+                with transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
+                    token = self.offloader.store(src)
+            except Exception as exc:  # re-raised on the training thread, never swallowed
+                failure = exc
+            end = time.perf_counter()
+            elapsed = end - start
+            self.trace.span("store", start, end, bytes=entry.nbytes, ok=failure is None)
+            del src
+            if failure is None and storage.nbytes() != entry.nbytes:
+                # Freed or resized while the copy ran: the stored bytes may be garbage. The
+                # token is given back and the entry kept (as an unmanaged save would be).
+                failure = _Resized()
+            del storage
+            release = None
+            with self.cond:
+                self.inflight_bytes -= entry.nbytes
+                if entry.state is State.DROPPED:
+                    self._orphan_store_bytes -= entry.nbytes
+                if isinstance(failure, _Resized):
+                    if token is not None:
+                        release = token
+                        self._pending_releases += 1
+                    self._resized(entry, running=True)
+                elif failure is not None:
+                    self._store_failed(entry, failure)
+                else:
+                    self.step.num_offloaded += 1
+                    self.step.offloaded_bytes += entry.nbytes
+                    self.step.write_s += elapsed
+                    self.held_bytes += entry.nbytes
+                    self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+                    if entry.state is State.DROPPED:
+                        release = token
+                        self._pending_releases += 1
+                        self.held_bytes -= entry.nbytes
+                    else:
+                        alias = entry.alias
+                        if entry.wanted:
+                            entry.token, entry.state = token, State.READY
+                        else:
+                            entry.token, entry.state = token, State.STORED
+                            entry.data = None
+                            self.resident_bytes -= entry.nbytes
+                            if alias is not None:
+                                # Keep the alias: it still sees the family's version counter
+                                # (Note [Saved-version check]), but no longer its memory.
+                                entry.remember_geometry()
+                                release_alias(alias)
+                self.cond.notify_all()
+            # An exception kept in a local until the next store would keep its traceback,
+            # hence the failed step's tensors, alive while the worker idles.
+            failure = None
+            if release is not None:
+                self._release(release)
+
+    def _reserve_now(self, nbytes: int) -> None:
+        """On the store worker, lock held on entry and exit (released around the call)."""
+        assert self.offloader is not None
+        self.cond.release()
+        try:
+            self.offloader.reserve(nbytes)
+        except Exception as exc:  # raised in the training step, never swallowed
+            failure: BaseException | None = exc
+        else:
+            failure = None
+        finally:
+            self.cond.acquire()
+            self.cond.notify_all()  # wait_for_stores waits for this too
+        if failure is not None:
+            self.step.num_io_errors += 1
+            if self.error is None:
+                if isinstance(failure, OffloadIOError):
+                    self.error = failure
+                else:
+                    error = OffloadIOError(
+                        f"reserving {nbytes} bytes in the {self.offloader.name!r} offloader "
+                        f"failed: {type(failure).__name__}: {failure}", num_bytes=nbytes,
+                    )
+                    error.__cause__ = failure
+                    self.error = error
+
+    def _resized(self, entry: Entry, running: bool = False) -> None:
+        """Note [Storages freed behind tba's back] (lock held): frameworks free storages with
+        ``storage.resize_(0)`` (FSDP1 flat parameters, Megatron/TE forced release); a store
+        must never read such memory. The entry stays in memory as it is (what autograd would
+        hold), its store is dropped, and the user is told once."""
+        if not running:
+            self.inflight_bytes -= entry.nbytes
+            self.cond.notify_all()
+        if entry.state is not State.DROPPED:
+            entry.state = State.KEPT
+            self.step.kept_bytes += entry.nbytes
+        self.step.num_resized += 1
+        if not self._warned_resized:
+            self._warned_resized = True
+            warnings.warn(
+                f"tba: a saved storage of {entry.nbytes} bytes was resized or freed "
+                "(storage.resize_) after autograd saved it; tba keeps such storages instead of "
+                "offloading them (this warning is shown once)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    def _store_failed(self, entry: Entry, exc: BaseException) -> None:
+        error = self._fail(entry, "store", exc)
+        if entry.state is not State.DROPPED:
+            entry.state = State.KEPT  # the bytes are still in memory: nothing is lost
+            self.step.kept_bytes += entry.nbytes
+        if self._keep_on_error:
+            if not self._warned_keep:
+                self._warned_keep = True
+                warnings.warn(
+                    f"tba: {error}; on_io_error='keep' keeps such tensors in memory "
+                    "(this warning is shown once)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            logger.debug("store failed, kept in memory: %s", error)
+        elif self.error is None:
+            self.error = error
+
+    def _load_worker(self) -> None:
+        assert self.offloader is not None
+        while True:
+            with self.cond:
+                while not self._stopping and not self._load_q:
+                    self.cond.wait()
+                if self._stopping:
+                    return
+                entry = self._load_q.popleft()
+                if entry.state is not State.LOADING:
+                    continue
+                token = entry.token
+            start = time.perf_counter()
+            dst, event, failure = None, None, None
+            try:
+                # Note [Reload buffers on the consumer's stream]
+                dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event)
+                with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
+                    self.offloader.load(token, dst)
+                    event = self.streams.loaded_event(entry.device)
+            except Exception as exc:  # re-raised on the training thread by fetch()
+                failure = exc
+            end = time.perf_counter()
+            elapsed = end - start
+            self.trace.span("load", start, end, bytes=entry.nbytes, ok=failure is None)
+            release = None
+            with self.cond:
+                if entry.state is State.DROPPED:
+                    self._orphan_load_bytes -= entry.nbytes
+                    release, entry.token = entry.token, None
+                    self._pending_releases += 1
+                    self.held_bytes -= entry.nbytes
+                elif failure is not None:
+                    entry.error = self._fail(entry, "load", failure)
+                    entry.state = State.STORED  # a later unpack may try again
+                else:
+                    entry.data, entry.load_event = dst.untyped_storage(), event
+                    entry.reloaded = True
+                    entry.state = State.READY
+                    self.resident_bytes += entry.nbytes
+                    self.step.reloaded_bytes += entry.nbytes
+                    self.step.read_s += elapsed
+                    self._note_peak()
+                done = entry.load_done
+                self.cond.notify_all()
+            assert done is not None
+            done.set()
+            failure = dst = None  # see the store worker
+            if release is not None:
+                self._release(release)
