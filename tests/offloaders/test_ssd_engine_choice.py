@@ -44,3 +44,22 @@ def test_auto_prefers_posix_over_kvikio_compat_mode(monkeypatch: pytest.MonkeyPa
     finally:
         if engine.name == "posix":
             engine.close()
+
+
+def test_reserve_under_gds_checks_the_malloc_hook_registration(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16, finding 11: once training is under way (the profiled step's reserve), an SSD
+    offloader doing real GPUDirect Storage asks the malloc hook whether it registered enough."""
+    from tba import malloc_hook
+    from tba.offloaders.ssd import SSDOffloader
+
+    calls = []
+    monkeypatch.setattr(malloc_hook, "warn_if_registration_short", lambda: calls.append(1))
+    off = SSDOffloader(dirs=(str(tmp_path),), engine="posix", slab_bytes=1 << 20)
+    try:
+        off.reserve(1 << 20)
+        assert calls == []  # posix: no cuFile registration to check
+        off._engine.gds = True  # as the kvikio engine under GDS
+        off.reserve(1 << 20)
+        assert calls == [1]
+    finally:
+        off.close()

@@ -307,6 +307,13 @@ class SSDOffloader:
         pass ``expected_bytes`` to the constructor.
         """
         self._check_open()
+        if getattr(self._engine, "gds", False):
+            # Training is under way and PyTorch has reserved what it needs: if the malloc hook
+            # registered far less than that with cuFile, GDS bounces most transfers (warned
+            # once per process; issue 16, finding 11).
+            from tba import malloc_hook
+
+            malloc_hook.warn_if_registration_short()
         try:
             self._reserve(num_bytes)
         except OffloadIOError as e:
