@@ -213,7 +213,8 @@ class TensorCache:
         callbacks, self._on_close = self._on_close, []
         for callback in callbacks:
             callback()
-        self._raise_violation()
+        if self._engine.dead is None:  # a dead worker was raised in the steps already
+            self._raise_violation()
 
     def __enter__(self) -> TensorCache:
         return self

@@ -35,6 +35,7 @@ _HOLDS_DATA = HOLDS_DATA
 # unit boundary and at the end of forward), backpressure, ``wait_for_stores`` and close wake
 # them for whatever is queued.
 _WAKE_BYTES = 1 << 20
+_DEAD_POLL_S = 0.5  # how often a waiting unpack checks that the load workers are alive
 
 
 class Transfers(TransferWorkers):
@@ -74,6 +75,7 @@ class Transfers(TransferWorkers):
         self._warned_keep = False
         self._warned_resized = False
         self.error: BaseException | None = None
+        self.dead: TBAError | None = None  # Note [Dead workers]
         self.inflight_bytes = 0
         self.resident_bytes = 0
         self.held_bytes = 0  # bytes the offloader holds now
@@ -129,6 +131,7 @@ class Transfers(TransferWorkers):
             self.inflight_bytes > 0
             and self.inflight_bytes + nbytes > self._max_inflight_bytes
             and self.error is None
+            and self.dead is None
         ):
             self.cond.wait(0.1)
         self.step.store_wait_s += time.perf_counter() - start
@@ -194,7 +197,9 @@ class Transfers(TransferWorkers):
             done = entry.load_done
         assert done is not None
         start = time.perf_counter()
-        done.wait()
+        while not done.wait(_DEAD_POLL_S):
+            if self.dead is not None:
+                raise self.dead
         end = time.perf_counter()
         self.trace.span("stall", start, end, bytes=entry.nbytes)
         with self.cond:
@@ -241,7 +246,11 @@ class Transfers(TransferWorkers):
         with self.cond:
             self._unwoken_bytes = 0
             self.cond.notify_all()
-            while (self.inflight_bytes > 0 or self._reserve_bytes) and self.error is None:
+            while (
+                (self.inflight_bytes > 0 or self._reserve_bytes)
+                and self.error is None
+                and self.dead is None
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TBAError(
@@ -270,7 +279,10 @@ class Transfers(TransferWorkers):
             self.cond.notify_all()
 
     def raise_pending(self) -> None:
-        """Raise a store error from a worker on the calling (training) thread, once."""
+        """Raise a store error from a worker on the calling (training) thread, once; and, on
+        every call, the death of a worker (Note [Dead workers])."""
+        if self.dead is not None:
+            raise self.dead
         if self.error is not None:
             with self.cond:
                 error, self.error = self.error, None
@@ -356,9 +368,34 @@ class Transfers(TransferWorkers):
             return
         for kind, target in (("store", self._store_worker), ("load", self._load_worker)):
             for i in range(self._num_threads[kind]):
-                thread = threading.Thread(target=target, name=f"tba-{kind}-{i}", daemon=True)
+                thread = threading.Thread(
+                    target=self._run_worker, args=(target,), name=f"tba-{kind}-{i}", daemon=True
+                )
                 thread.start()
                 self._threads.append(thread)
+
+    def _run_worker(self, target: Any) -> None:
+        """Note [Dead workers]: an exception escaping a worker loop is a tba bug (offloader
+        failures are caught and accounted inside it). The thread would die silently, and the
+        training thread would then wait forever for room or for a load; instead every later
+        hook raises a TBAError naming the worker and the cause."""
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
+            name = threading.current_thread().name
+            dead = TBAError(
+                f"tba bug: transfer worker {name} died ({type(exc).__name__}: {exc}); the cache "
+                "can no longer move tensors: close() it (training without tba is unaffected) "
+                "and report this with the traceback"
+            )
+            dead.__cause__ = exc
+            logger.error("%s", dead, exc_info=exc)
+            with self.cond:
+                if self.dead is None:
+                    self.dead = dead
+                if self.error is None:
+                    self.error = dead  # the hooks' one-attribute check sees it
+                self.cond.notify_all()
 
     # ----------------------------------------------------------------- shutdown
     def close(self, entries: list[Entry]) -> None:

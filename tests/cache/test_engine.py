@@ -314,3 +314,35 @@ def test_prefetch_looks_past_kept_scopes() -> None:
         loss.backward()
     finally:
         cache.close()
+
+
+def test_a_dead_worker_surfaces_in_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [Dead workers]: an exception escaping a worker loop (a tba bug) is raised in the
+    training step, and again in every later one, instead of leaving forward waiting forever."""
+    import tba.cache.workers as workers
+
+    def broken(storage):
+        raise RuntimeError("planted bug")
+
+    monkeypatch.setattr(workers, "storage_bytes", broken)
+    model = models.Stack(num_blocks=3)
+    cache = make_cache(model, FakeOffloader(), max_inflight_bytes=1)  # forward waits on stores
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        for step in range(2):
+            try:
+                model(models.vector_batch(step)).backward()
+            except tba.TBAError as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(JOIN_S)
+    try:
+        assert not thread.is_alive(), "training waited forever on a dead worker"
+        assert len(outcome) == 2
+        assert all("transfer worker tba-store-0 died" in str(e) and "planted bug" in str(e) for e in outcome)
+    finally:
+        monkeypatch.undo()
+        cache.close()  # does not raise the dead worker again
