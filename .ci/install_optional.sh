@@ -5,7 +5,7 @@ set -euo pipefail
 constraints=$1
 
 # kvikio for the SSD offloader's kvikio engine, minimal: --no-deps skips cupy and the ~1.4 GB of
-# CUDA libraries; host-buffer I/O in compat mode works with this set (TBA_NOTES section 5).
+# CUDA libraries; host-buffer I/O in compat mode works with this set (kvikio does not need cupy).
 pip install -q --no-deps -c "$constraints" \
   kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 nvidia-cufile==1.20.0.107 \
   rapids-logger==0.3.0 cuda-pathfinder==1.9.0

@@ -110,7 +110,7 @@ install() {
     local pip=("$py" -m pip install --no-index --disable-pip-version-check)
     if [[ -n "$WHEELS" ]]; then
         pip+=(--find-links "$WHEELS")
-        # kvikio without its CUDA-toolkit dependency chain (see TBA_NOTES: ~6 MB instead of 1.4 GB).
+        # kvikio without its CUDA-toolkit dependency chain (~6 MB instead of ~1.4 GB of CUDA libraries).
         local gds=()
         for name in kvikio_cu13 libkvikio_cu13 rapids_logger cuda_pathfinder nvidia_cufile; do
             compgen -G "$WHEELS/${name}-*.whl" >/dev/null && gds+=("${name//_/-}")

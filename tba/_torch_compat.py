@@ -22,7 +22,8 @@ __all__ = [
 # storage lives (PyObject preservation, torch >= 2.0), so an attribute set on
 # `t.untyped_storage()` is seen through every view of that storage and disappears with it.
 # That gives storages a collision-free identity: a raw data pointer or `id()` is reused once
-# the storage dies (TBA_NOTES section 4, bugs 1 and 2). Tested in tests/cache/test_ids.py.
+# the storage dies, and time-stamp ids collide when two storages are stamped in one clock tick.
+# Tested in tests/cache/test_adversarial.py (fused-qkv views) and tests/cache/test_identity.py.
 STAMP_ATTR = "_tba_stamp"
 # The same for the root tensor of a view family (torch preserves a tensor's Python object as
 # long as its TensorImpl lives): Note [Version-counter families] in tba/cache/table.py.

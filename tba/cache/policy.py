@@ -1,6 +1,6 @@
 """Which blocks are offloaded: the kept tail, and with ``adaptive`` the measured boundary.
 
-The boundary rule (TBA paper; TBA_NOTES section 1): with per-block forward time ``t``, offload
+The boundary rule (TBA paper, arXiv 2408.10013): with per-block forward time ``t``, offload
 volume ``V``, forward time ``T_f`` and write bandwidth ``B``, walk blocks in forward order with
 ``P`` the blocks before ``n`` and stop at the first ``n`` where
 

@@ -16,7 +16,7 @@ OPTIONS = dict(offloader="host", offload_devices=("cpu",), min_offload_bytes=0, 
 
 class FusedQKV(nn.Module):
     """q, k, v are same-shape views of one storage at different offsets, saved by different
-    ops (TBA_NOTES section 4, bug 1)."""
+    ops (ids that ignore the storage offset make them collide: silently wrong gradients)."""
 
     def __init__(self, width: int = 32) -> None:
         super().__init__()
