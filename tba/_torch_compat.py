@@ -80,10 +80,10 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
 
 
-def capturing(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a CUDA tensor saved while the current stream captures a CUDA
-    graph (the runtime is asked only for CUDA tensors)."""
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph (never initialises CUDA: a
+    process that has not used CUDA yet cannot be capturing)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def profiler_enabled() -> bool:

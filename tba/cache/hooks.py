@@ -97,7 +97,6 @@ class CacheHooks:
         self._traced_at_start = compat.num_traced_hooks  # Note [tba under torch.compile]
         self._warned_compiled = False
         self.closed = False
-        self.stage_log: Any = None  # set by the cache
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
@@ -186,7 +185,10 @@ class CacheHooks:
         with self._lock:
             self._num_active += 1
             self._begin_record(state, args)
-        pack = self._pack if self.sampled_pack is None else self.sampled_pack
+        if compat.capturing():  # once per forward: a capture does not start inside one
+            pack = self._captured  # Note [CUDA-graph capture]
+        else:
+            pack = self._pack if self.sampled_pack is None else self.sampled_pack
         state.ctx = torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
         state.ctx.__enter__()
 
@@ -308,8 +310,6 @@ class CacheHooks:
             # Parameters and tensors tba does not manage stay with autograd, with their
             # version at pack (Note [Saved-version check]).
             return (tensor, tensor._version)
-        if compat.capturing(tensor):
-            return self._captured(tensor)
         base = tensor._base
         if base is None:
             root = tensor

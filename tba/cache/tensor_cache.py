@@ -272,7 +272,7 @@ class TensorCache:
         resident, nothing held by the offloader)."""
         entries = self._table.entries()
         offloader = self.offloader
-        problems = self._engine.check(entries, None)
+        problems = self._engine.check(entries)
         if (
             offloader is not None
             and not self._engine.transfers_of_dropped_running

@@ -28,7 +28,6 @@ __all__ = ["Transfers"]
 
 logger = logging.getLogger(__name__)
 
-_HOLDS_DATA = HOLDS_DATA
 # Note [Batched hand-offs]: waking a store worker costs a thread switch and a GIL hand-off,
 # far more than copying a small tensor. A pack queues its store and wakes the workers only
 # when the queued bytes reach this many (or the tensor alone does); ``flush`` (called at every
@@ -76,6 +75,7 @@ class Transfers(TransferWorkers):
         self._warned_resized = False
         self.error: BaseException | None = None
         self.dead: TBAError | None = None  # Note [Dead workers]
+        self.raised_this_step = False  # Note [One store error per step]
         self.inflight_bytes = 0
         self.resident_bytes = 0
         self.held_bytes = 0  # bytes the offloader holds now
@@ -149,16 +149,6 @@ class Transfers(TransferWorkers):
                 self.resident_bytes += entry.nbytes
                 self._note_peak()
 
-    def prefetch(self, entry: Entry) -> None:
-        """Start loading ``entry`` if it is offloaded; keep it if its store has not finished."""
-        with self.cond:
-            if entry.state is State.STORED:
-                self._queue_load(entry)
-            elif entry.state is State.QUEUED:
-                self._cancel_store(entry)
-            elif entry.state is State.STORING:
-                entry.wanted = True
-
     def prefetch_many(self, entries: list[Entry]) -> None:
         """``prefetch`` each of ``entries``, in order, under one lock round trip."""
         if not entries:
@@ -180,7 +170,7 @@ class Transfers(TransferWorkers):
         """
         with self.cond:
             state = entry.state
-            if state in _HOLDS_DATA:
+            if state in HOLDS_DATA:
                 if state is State.QUEUED:
                     self._cancel_store(entry)
                 elif state is State.STORING:
@@ -216,7 +206,7 @@ class Transfers(TransferWorkers):
         with self.cond:
             state = entry.state
             entry.state = State.DROPPED
-            if state in _HOLDS_DATA:
+            if state in HOLDS_DATA:
                 self.resident_bytes -= entry.nbytes
             entry.data = None
             entry.alias = None
@@ -286,6 +276,7 @@ class Transfers(TransferWorkers):
         if self.error is not None:
             with self.cond:
                 error, self.error = self.error, None
+                self.raised_this_step = error is not None  # Note [One store error per step]
             if error is not None:
                 try:
                     raise error
@@ -297,6 +288,7 @@ class Transfers(TransferWorkers):
         with self.cond:
             step, self.step = self.step, CacheStats()
             self.step.peak_resident_bytes = self.resident_bytes
+            self.raised_this_step = False
         step.num_steps = 1
         step.finish_rates()
         return step
@@ -316,13 +308,13 @@ class Transfers(TransferWorkers):
             with self.cond:
                 self._pending_releases -= 1
 
-    def check(self, entries: list[Entry], offloader_held: int | None) -> list[str]:
+    def check(self, entries: list[Entry]) -> list[str]:
         """Invariants of a finished step, as readable problems (empty when all hold):
         counters equal what ``entries`` (the live ones) hold, nothing in flight when no entry
         is, the offloader holds exactly what the entries' tokens say."""
         with self.cond:
             problems = []
-            resident = sum(e.nbytes for e in entries if e.state in _HOLDS_DATA)
+            resident = sum(e.nbytes for e in entries if e.state in HOLDS_DATA)
             inflight = self._orphan_store_bytes + sum(
                 e.nbytes for e in entries if e.state in (State.QUEUED, State.STORING)
             )
@@ -338,11 +330,6 @@ class Transfers(TransferWorkers):
                     )
             if not entries and (self._store_q and any(e.state is State.QUEUED for e in self._store_q)):
                 problems.append(f"{len(self._store_q)} stores queued with no live entry")
-            if offloader_held is not None and offloader_held != self.held_bytes:
-                problems.append(
-                    f"the offloader holds {offloader_held} bytes but the cache's tokens account "
-                    f"for {self.held_bytes}"
-                )
             return problems
 
     def _note_peak(self) -> None:

@@ -36,6 +36,7 @@ class TransferWorkers:
     trace: Any
     step: Any
     error: BaseException | None
+    raised_this_step: bool
 
     def _fail(self, entry: Entry, what: str, exc: BaseException) -> BaseException:
         assert self.offloader is not None
@@ -185,7 +186,8 @@ class TransferWorkers:
 
     def _store_failed(self, entry: Entry, exc: BaseException) -> None:
         error = self._fail(entry, "store", exc)
-        if entry.state is not State.DROPPED:
+        dropped = entry.state is State.DROPPED
+        if not dropped:
             entry.state = State.KEPT  # the bytes are still in memory: nothing is lost
             self.step.kept_bytes += entry.nbytes
         if self._keep_on_error:
@@ -198,6 +200,11 @@ class TransferWorkers:
                     stacklevel=1,
                 )
             logger.debug("store failed, kept in memory: %s", error)
+        elif dropped or self.raised_this_step:
+            # Note [One store error per step]: the step already failed with a store error, or
+            # the tensor died before its store failed (nothing of it is lost): counted and
+            # logged, not raised again in a later step (or by close()) as a stale error.
+            logger.warning("tba: another store failed in a step that already failed: %s", error)
         elif self.error is None:
             self.error = error
 

@@ -28,7 +28,7 @@ def make_cache(model: nn.Module, offloader, **options) -> TensorCache:
 def test_saves_under_capture_stay_with_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [CUDA-graph capture]: pack under (mocked) capture returns the tensor itself,
     queues nothing, warns once and counts it."""
-    monkeypatch.setattr(compat, "capturing", lambda tensor: True)
+    monkeypatch.setattr(compat, "capturing", lambda: True)
     offloader = FakeOffloader()
     model = models.Stack(num_blocks=3)
     twin = models.Stack(num_blocks=3)

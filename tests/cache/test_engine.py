@@ -346,3 +346,38 @@ def test_a_dead_worker_surfaces_in_every_step(monkeypatch: pytest.MonkeyPatch) -
     finally:
         monkeypatch.undo()
         cache.close()  # does not raise the dead worker again
+
+
+def test_a_failed_step_raises_one_store_error_not_stale_ones() -> None:
+    """Note [One store error per step]: once a store error was raised in a step, the other
+    stores of that step failing later are counted, not raised again in the next step or by
+    close()."""
+
+    class OneAtATime(FakeOffloader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.permits = threading.Semaphore(0)
+
+        def store(self, src: torch.Tensor) -> int:
+            assert self.permits.acquire(timeout=JOIN_S), "the test never let this store run"
+            return super().store(src)
+
+    offloader = OneAtATime()
+    offloader.fail_store = True
+    model = models.Stack(num_blocks=3)
+    cache = make_cache(model, offloader)
+    try:
+        loss = model(models.vector_batch(0))
+        offloader.permits.release()  # the first store fails ...
+        with pytest.raises(tba.OffloadIOError, match="injected write failure"):
+            cache.wait_for_stores(JOIN_S)  # ... and is raised in the step
+        offloader.permits.release(1000)  # the step's other stores fail after that
+        cache.wait_for_stores(JOIN_S)  # not raised again
+        del loss  # the failed step ends
+        offloader.fail_store = False
+        model(models.vector_batch(1)).backward()  # no stale error in the next step
+        total = cache.stats(cumulative=True)
+    finally:
+        offloader.permits.release(1000)
+        cache.close()  # nor at close
+    assert total.num_io_errors > 1
