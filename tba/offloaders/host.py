@@ -157,7 +157,7 @@ class HostOffloader:
         assert buffer.tensor is not None
         _copy(buffer.tensor[offset : offset + num_bytes], src, non_blocking=buffer.pinned)
         if buffer.pinned:
-            _wait_for_copy(src.device)
+            wait_for_stream(src.device)
         return slab, offset, num_bytes
 
     def load(self, token: _Token, dst: torch.Tensor) -> None:
@@ -168,7 +168,7 @@ class HostOffloader:
             raise RuntimeError("HostOffloader: load of a token whose memory was released (closed)")
         _copy(dst, host[offset : offset + num_bytes], non_blocking=buffer.pinned)
         if buffer.pinned and dst.device.type == "cuda":
-            _wait_for_copy(dst.device)
+            wait_for_stream(dst.device)
 
     def release(self, token: _Token) -> None:
         with self._lock:
@@ -194,12 +194,6 @@ class HostOffloader:
             self._slabs = {False: [], True: []}
         for slab in slabs:
             slab.buffer.release()
-
-
-def _wait_for_copy(device: torch.device) -> None:
-    """Block until the copy just queued on the current stream is done: an event recorded
-    after it, not the whole stream (other transfers may share it)."""
-    wait_for_stream(device)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:

@@ -46,11 +46,6 @@ def _notice_once(key: str, message: str, *args: object) -> None:
     logger.warning(message, *args)
 
 
-def _wait_for_copies(device: torch.device) -> None:
-    """Block until the copies just queued on ``device``'s current stream have run."""
-    wait_for_stream(device)
-
-
 class _File:
     """A slab file opened buffered and, where allowed, with O_DIRECT."""
 
@@ -320,7 +315,7 @@ class PosixEngine:
         source = chunk.request.buffer[chunk.start : chunk.stop]
         if source.is_cuda:
             chunk.staging.tensor[:n].copy_(source, non_blocking=True)
-            _wait_for_copies(source.device)
+            wait_for_stream(source.device)
         else:
             # numpy's copy is several times faster than torch's for uint8 on CPU.
             np.copyto(chunk.staging.array[:n], bytes_view(source))
@@ -338,7 +333,7 @@ class PosixEngine:
                 target = chunk.request.buffer[chunk.start : chunk.stop]
                 if target.is_cuda:
                     target.copy_(staging.tensor[:n], non_blocking=True)
-                    _wait_for_copies(target.device)
+                    wait_for_stream(target.device)
                 else:
                     np.copyto(bytes_view(target), staging.array[:n])
         except BaseException as e:  # noqa: BLE001 - reported like an I/O failure
