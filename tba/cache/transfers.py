@@ -34,6 +34,18 @@ logger = logging.getLogger(__name__)
 # unit boundary and at the end of forward), backpressure, ``wait_for_stores`` and close wake
 # them for whatever is queued.
 _WAKE_BYTES = 1 << 20
+
+# Note [Small transfers inline]: a store or load handed to a worker thread costs a wake-up and,
+# worse, GIL hand-offs: every torch call on either thread releases the GIL, so a running worker
+# and the training thread trade it at each op (tens of microseconds per small tensor on a 2-core
+# machine, measured by benchmarks/hook_overhead.py), while copying a few KiB between CPU buffers
+# takes under a microsecond. A CPU storage of at most this many bytes is therefore stored on
+# the training thread at pack time when the offloader can take it at once
+# (``store_now(storage)`` returns a token, or None to go through the workers: no room without
+# allocating, a reserve pending, a non-CPU storage), and read back by whoever unpacks it. CUDA
+# storages always go through the workers (their copies wait on streams). The entry's state
+# machine and counters are the same as for a worker's transfer: only the thread differs.
+INLINE_MAX_BYTES = 64 << 10
 _DEAD_POLL_S = 0.5  # how often a waiting unpack checks that the load workers are alive
 
 
@@ -60,10 +72,16 @@ class Transfers(TransferWorkers):
         trace: TraceRecorder,
     ) -> None:
         self.offloader = offloader
+        self._store_now = getattr(offloader, "store_now", None)
         self.trace = trace
         self.streams = streams
         self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
+        # Three conditions on the one lock, so that a finished transfer wakes only those
+        # waiting for one (backpressure, wait_for_stores, an inline load of another thread),
+        # never idle workers: a woken worker costs GIL hand-offs with the training thread.
+        self.cond = threading.Condition(self.lock)  # a transfer finished, an error, room
+        self._store_ready = threading.Condition(self.lock)  # store workers: a store or reserve
+        self._load_ready = threading.Condition(self.lock)  # load workers: a load queued
         self._num_threads = {"store": num_store_threads, "load": num_load_threads}
         self._max_inflight_bytes = max_inflight_bytes
         self._keep_on_error = on_io_error == "keep"
@@ -91,27 +109,65 @@ class Transfers(TransferWorkers):
 
     # ----------------------------------------------------------------- training thread side
     def add(self, entry: Entry) -> None:
-        """A new entry holding data; queue its store if it is to be offloaded."""
+        """A new entry holding data; queue its store if it is to be offloaded (or store it now:
+        Note [Small transfers inline])."""
+        inline = False
         with self.cond:
             self.resident_bytes += entry.nbytes
             if entry.offload and self.offloader is not None:
-                if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
-                    self._wait_for_room(entry.nbytes)
-                entry.state = State.QUEUED
-                self.inflight_bytes += entry.nbytes
-                self._store_q.append(entry)
-                self._unwoken_bytes += entry.nbytes
-                if not self._threads:
-                    self._start_workers()
-                if self._unwoken_bytes >= _WAKE_BYTES:
-                    self._unwoken_bytes = 0
-                    self.cond.notify_all()
+                if (
+                    self._store_now is not None
+                    and entry.nbytes <= INLINE_MAX_BYTES
+                    and entry.device.type == "cpu"
+                ):
+                    entry.state = State.STORING
+                    self.inflight_bytes += entry.nbytes
+                    inline = True
+                else:
+                    if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
+                        self._wait_for_room(entry.nbytes)
+                    entry.state = State.QUEUED
+                    self.inflight_bytes += entry.nbytes
+                    self._store_q.append(entry)
+                    self._unwoken_bytes += entry.nbytes
+                    if not self._threads:
+                        self._start_workers()
+                    if self._unwoken_bytes >= _WAKE_BYTES:
+                        self._unwoken_bytes = 0
+                        self._store_ready.notify_all()
             else:
                 self.step.kept_bytes += entry.nbytes
             if self.resident_bytes > self.step.peak_resident_bytes:
                 self.step.peak_resident_bytes = self.resident_bytes
+        if inline:
+            self._store_inline(entry)
         if self.error is not None:
             self.raise_pending()
+
+    def _store_inline(self, entry: Entry) -> None:
+        """Note [Small transfers inline] (no lock held, the entry is STORING): ``store_now``,
+        or the worker queue when the offloader cannot take it at once."""
+        storage = entry.data
+        assert storage is not None
+        start = time.perf_counter()
+        failure = None
+        try:
+            token = self._store_now(storage)
+        except Exception as exc:  # re-raised on the training thread, never swallowed
+            token, failure = None, exc
+        if token is None and failure is None:
+            with self.cond:  # no room now: a worker stores it
+                if entry.wanted:
+                    self._cancel_store(entry)
+                    return
+                entry.state = State.QUEUED
+                self._store_q.append(entry)
+                self._unwoken_bytes += entry.nbytes
+                if not self._threads:
+                    self._start_workers()
+            return
+        entry.inline = True
+        self._finish_store(entry, storage, token, failure, start, time.perf_counter())
 
     def flush(self) -> None:
         """Wake the workers for stores queued since they were last woken (Note [Batched
@@ -119,13 +175,13 @@ class Transfers(TransferWorkers):
         if self._unwoken_bytes:
             with self.cond:
                 self._unwoken_bytes = 0
-                self.cond.notify_all()
+                self._store_ready.notify_all()
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Backpressure (lock held): wait until the in-flight stores leave room for
         ``nbytes``. A store error ends the wait; it is raised by the caller."""
         self._unwoken_bytes = 0
-        self.cond.notify_all()
+        self._store_ready.notify_all()
         start = time.perf_counter()
         while (
             self.inflight_bytes > 0
@@ -157,7 +213,8 @@ class Transfers(TransferWorkers):
             for entry in entries:
                 state = entry.state
                 if state is State.STORED:
-                    self._queue_load(entry)
+                    if not entry.inline:  # those load where unpacked (Note [Small transfers inline])
+                        self._queue_load(entry)
                 elif state is State.QUEUED:
                     self._cancel_store(entry)
                 elif state is State.STORING:
@@ -175,25 +232,38 @@ class Transfers(TransferWorkers):
                     self._cancel_store(entry)
                 elif state is State.STORING:
                     entry.wanted = True
-                if entry.load_done is None:  # never read back: served from memory
+                if entry.load_done is None and not entry.reloaded:  # served from memory
                     self.step.num_forwarded += 1
                 assert entry.data is not None
                 return entry.data, entry.load_event
+            token = None
             if state is State.STORED:
-                self.step.num_sync_loads += 1
-                self._queue_load(entry)
+                if entry.inline:  # Note [Small transfers inline]
+                    entry.state = State.LOADING
+                    token = entry.token
+                else:
+                    self.step.num_sync_loads += 1
+                    self._queue_load(entry)
             elif state is State.DROPPED:
                 raise AssertionError("tba bug: unpack of a dropped entry")
+            elif entry.load_done is None:  # another thread loads it inline
+                while entry.state is State.LOADING:
+                    self.cond.wait(_DEAD_POLL_S)
             done = entry.load_done
-        assert done is not None
-        start = time.perf_counter()
-        while not done.wait(_DEAD_POLL_S):
-            if self.dead is not None:
-                raise self.dead
-        end = time.perf_counter()
-        self.trace.span("stall", start, end, bytes=entry.nbytes)
+        if token is not None:
+            self._run_load(entry, token)
+        elif done is None:
+            return self.fetch(entry)  # the other thread's inline load finished (or failed)
+        else:
+            start = time.perf_counter()
+            while not done.wait(_DEAD_POLL_S):
+                if self.dead is not None:
+                    raise self.dead
+            end = time.perf_counter()
+            self.trace.span("stall", start, end, bytes=entry.nbytes)
+            with self.cond:
+                self.step.stall_s += end - start
         with self.cond:
-            self.step.stall_s += end - start
             if entry.error is not None:
                 error, entry.error = entry.error, None
                 raise error
@@ -235,7 +305,7 @@ class Transfers(TransferWorkers):
         deadline = time.monotonic() + timeout_s
         with self.cond:
             self._unwoken_bytes = 0
-            self.cond.notify_all()
+            self._store_ready.notify_all()
             while (
                 (self.inflight_bytes > 0 or self._reserve_bytes)
                 and self.error is None
@@ -259,7 +329,7 @@ class Transfers(TransferWorkers):
         with self.cond:
             self._reserve_bytes = nbytes
             self._start_workers()
-            self.cond.notify_all()
+            self._store_ready.notify_all()
 
     def set_error(self, error: BaseException) -> None:
         """Raise ``error`` at the next hook on the training thread (unless one is pending)."""
@@ -343,12 +413,17 @@ class Transfers(TransferWorkers):
         self.step.kept_bytes += entry.nbytes
         self.cond.notify_all()
 
+    def _notify_everyone(self) -> None:
+        self.cond.notify_all()
+        self._store_ready.notify_all()
+        self._load_ready.notify_all()
+
     def _queue_load(self, entry: Entry) -> None:
         entry.state = State.LOADING
         entry.load_done = LoadDone(entry.scope)  # Note [Profiler ranges]: waits are stalls
         self._load_q.append(entry)
         self._start_workers()
-        self.cond.notify_all()
+        self._load_ready.notify()
 
     def _start_workers(self) -> None:
         if self._threads:
@@ -382,7 +457,7 @@ class Transfers(TransferWorkers):
                     self.dead = dead
                 if self.error is None:
                     self.error = dead  # the hooks' one-attribute check sees it
-                self.cond.notify_all()
+                self._notify_everyone()
 
     # ----------------------------------------------------------------- shutdown
     def close(self, entries: list[Entry]) -> None:
@@ -391,7 +466,7 @@ class Transfers(TransferWorkers):
             self._stopping = True
             self._store_q.clear()
             self._load_q.clear()
-            self.cond.notify_all()
+            self._notify_everyone()
         for thread in self._threads:
             thread.join()
         self._threads.clear()
