@@ -6,7 +6,6 @@ import json
 import os
 import threading
 import time
-from typing import Any
 
 __all__ = ["TraceRecorder"]
 
@@ -24,25 +23,20 @@ class TraceRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
-        # (name, start, end or None for an instant, thread id, args)
-        self._events: list[tuple[str, float, float | None, int, dict[str, Any]]] = []
-        self._last: list[tuple[str, float, float | None, int, dict[str, Any]]] = []
+        # (name, start, end, thread id, bytes, ok)
+        self._events: list[tuple[str, float, float, int, int, bool]] = []
+        self._last: list[tuple[str, float, float, int, int, bool]] = []
         self._threads: dict[int, str] = {}
 
-    def _add(self, name: str, start: float, end: float | None, args: dict[str, Any]) -> None:
+    def span(self, name: str, start: float, end: float, nbytes: int, ok: bool = True) -> None:
+        """A complete event from ``start`` to ``end`` (``time.perf_counter`` seconds) that
+        moved (or waited for) ``nbytes``; ``ok`` is False for a failed transfer."""
         tid = threading.get_ident()
         if tid not in self._threads:
             self._threads[tid] = threading.current_thread().name
         events = self._events
         if len(events) < _MAX_EVENTS_PER_STEP:
-            events.append((name, start, end, tid, args))
-
-    def span(self, name: str, start: float, end: float, **args: Any) -> None:
-        """A complete event from ``start`` to ``end`` (``time.perf_counter`` seconds)."""
-        self._add(name, start, end, args)
-
-    def instant(self, name: str, **args: Any) -> None:
-        self._add(name, time.perf_counter(), None, args)
+            events.append((name, start, end, tid, nbytes, ok))
 
     def end_step(self) -> None:
         with self._lock:
@@ -59,15 +53,12 @@ class TraceRecorder:
             {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
             for tid, name in threads.items()
         ]
-        events = []
-        for name, start, end, tid, args in recorded:
-            event: dict[str, Any] = {"name": name, "cat": "tba", "pid": pid, "tid": tid,
-                                     "ts": (start - self._origin) * 1e6, "args": args}
-            if end is None:
-                event.update(ph="i", s="t")
-            else:
-                event.update(ph="X", dur=(end - start) * 1e6)
-            events.append(event)
+        events = [
+            {"name": name, "cat": "tba", "ph": "X", "pid": pid, "tid": tid,
+             "ts": (start - self._origin) * 1e6, "dur": (end - start) * 1e6,
+             "args": {"bytes": nbytes} if name == "stall" else {"bytes": nbytes, "ok": ok}}
+            for name, start, end, tid, nbytes, ok in recorded
+        ]
         with open(path, "w") as f:
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, f)
         return len(events)

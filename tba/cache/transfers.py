@@ -82,6 +82,7 @@ class Transfers(TransferWorkers):
         self.cond = threading.Condition(self.lock)  # a transfer finished, an error, room
         self._store_ready = threading.Condition(self.lock)  # store workers: a store or reserve
         self._load_ready = threading.Condition(self.lock)  # load workers: a load queued
+        self._num_waiting = 0  # threads waiting on ``cond``
         self._num_threads = {"store": num_store_threads, "load": num_load_threads}
         self._max_inflight_bytes = max_inflight_bytes
         self._keep_on_error = on_io_error == "keep"
@@ -112,7 +113,7 @@ class Transfers(TransferWorkers):
         """A new entry holding data; queue its store if it is to be offloaded (or store it now:
         Note [Small transfers inline])."""
         inline = False
-        with self.cond:
+        with self.lock:
             self.resident_bytes += entry.nbytes
             if entry.offload and self.offloader is not None:
                 if (
@@ -156,7 +157,7 @@ class Transfers(TransferWorkers):
         except Exception as exc:  # re-raised on the training thread, never swallowed
             token, failure = None, exc
         if token is None and failure is None:
-            with self.cond:  # no room now: a worker stores it
+            with self.lock:  # no room now: a worker stores it
                 if entry.wanted:
                     self._cancel_store(entry)
                     return
@@ -173,7 +174,7 @@ class Transfers(TransferWorkers):
         """Wake the workers for stores queued since they were last woken (Note [Batched
         hand-offs])."""
         if self._unwoken_bytes:
-            with self.cond:
+            with self.lock:
                 self._unwoken_bytes = 0
                 self._store_ready.notify_all()
 
@@ -189,12 +190,12 @@ class Transfers(TransferWorkers):
             and self.error is None
             and self.dead is None
         ):
-            self.cond.wait(0.1)
+            self._wait_done(0.1)
         self.step.store_wait_s += time.perf_counter() - start
 
     def keep(self, entry: Entry, data: torch.UntypedStorage) -> None:
         """Backward will want ``entry`` soon and ``data`` is its storage: keep it in memory."""
-        with self.cond:
+        with self.lock:
             if entry.state is State.QUEUED:
                 self._cancel_store(entry)
             elif entry.state is State.STORING:
@@ -209,7 +210,7 @@ class Transfers(TransferWorkers):
         """``prefetch`` each of ``entries``, in order, under one lock round trip."""
         if not entries:
             return
-        with self.cond:
+        with self.lock:
             for entry in entries:
                 state = entry.state
                 if state is State.STORED:
@@ -225,7 +226,7 @@ class Transfers(TransferWorkers):
 
         Returns the storage and the load event to consume (None if it was not read).
         """
-        with self.cond:
+        with self.lock:
             state = entry.state
             if state in HOLDS_DATA:
                 if state is State.QUEUED:
@@ -248,11 +249,11 @@ class Transfers(TransferWorkers):
                 raise AssertionError("tba bug: unpack of a dropped entry")
             elif entry.load_done is None:  # another thread loads it inline
                 while entry.state is State.LOADING:
-                    self.cond.wait(_DEAD_POLL_S)
+                    self._wait_done(_DEAD_POLL_S)
             done = entry.load_done
         if token is not None:
-            self._run_load(entry, token)
-        elif done is None:
+            return self._run_load(entry, token)
+        if done is None:
             return self.fetch(entry)  # the other thread's inline load finished (or failed)
         else:
             start = time.perf_counter()
@@ -260,10 +261,10 @@ class Transfers(TransferWorkers):
                 if self.dead is not None:
                     raise self.dead
             end = time.perf_counter()
-            self.trace.span("stall", start, end, bytes=entry.nbytes)
-            with self.cond:
+            self.trace.span("stall", start, end, entry.nbytes)
+            with self.lock:
                 self.step.stall_s += end - start
-        with self.cond:
+        with self.lock:
             if entry.error is not None:
                 error, entry.error = entry.error, None
                 raise error
@@ -273,7 +274,7 @@ class Transfers(TransferWorkers):
     def drop(self, entry: Entry) -> None:
         """Every handle of ``entry`` died: give back its memory, queue slot or offloader space."""
         token = None
-        with self.cond:
+        with self.lock:
             state = entry.state
             entry.state = State.DROPPED
             if state in HOLDS_DATA:
@@ -283,7 +284,7 @@ class Transfers(TransferWorkers):
             if state is State.QUEUED:
                 self.step.num_cancelled += 1
                 self.inflight_bytes -= entry.nbytes
-                self.cond.notify_all()
+                self._notify_done()
             elif state in (State.STORED, State.READY):
                 token, entry.token = entry.token, None
                 self._pending_releases += 1
@@ -303,7 +304,7 @@ class Transfers(TransferWorkers):
             TBAError: stores are still in flight after ``timeout_s`` seconds.
         """
         deadline = time.monotonic() + timeout_s
-        with self.cond:
+        with self.lock:
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
             while (
@@ -318,7 +319,7 @@ class Transfers(TransferWorkers):
                         f"{timeout_s:g} s; the offloader "
                         f"{getattr(self.offloader, 'name', None)!r} is stuck or very slow"
                     )
-                self.cond.wait(remaining)
+                self._wait_done(remaining)
         self.raise_pending()
 
     def reserve_later(self, nbytes: int) -> None:
@@ -326,17 +327,17 @@ class Transfers(TransferWorkers):
         store (loads go first): never on the autograd thread, never under a lock (pinning
         gigabytes or preallocating files takes time). A failure is raised in the training
         step."""
-        with self.cond:
+        with self.lock:
             self._reserve_bytes = nbytes
             self._start_workers()
             self._store_ready.notify_all()
 
     def set_error(self, error: BaseException) -> None:
         """Raise ``error`` at the next hook on the training thread (unless one is pending)."""
-        with self.cond:
+        with self.lock:
             if self.error is None:
                 self.error = error
-            self.cond.notify_all()
+            self._notify_done()
 
     def raise_pending(self) -> None:
         """Raise a store error from a worker on the calling (training) thread, once; and, on
@@ -344,7 +345,7 @@ class Transfers(TransferWorkers):
         if self.dead is not None:
             raise self.dead
         if self.error is not None:
-            with self.cond:
+            with self.lock:
                 error, self.error = self.error, None
                 self.raised_this_step = error is not None  # Note [One store error per step]
             if error is not None:
@@ -355,7 +356,7 @@ class Transfers(TransferWorkers):
 
     def take_step(self) -> CacheStats:
         """The counters since the last call (one step), and start new ones."""
-        with self.cond:
+        with self.lock:
             step, self.step = self.step, CacheStats()
             self.step.peak_resident_bytes = self.resident_bytes
             self.raised_this_step = False
@@ -375,14 +376,14 @@ class Transfers(TransferWorkers):
         try:
             self.offloader.release(token)
         finally:
-            with self.cond:
+            with self.lock:
                 self._pending_releases -= 1
 
     def check(self, entries: list[Entry]) -> list[str]:
         """Invariants of a finished step, as readable problems (empty when all hold):
         counters equal what ``entries`` (the live ones) hold, nothing in flight when no entry
         is, the offloader holds exactly what the entries' tokens say."""
-        with self.cond:
+        with self.lock:
             problems = []
             resident = sum(e.nbytes for e in entries if e.state in HOLDS_DATA)
             inflight = self._orphan_store_bytes + sum(
@@ -411,7 +412,21 @@ class Transfers(TransferWorkers):
         self.inflight_bytes -= entry.nbytes
         self.step.num_cancelled += 1
         self.step.kept_bytes += entry.nbytes
-        self.cond.notify_all()
+        self._notify_done()
+
+    def _notify_done(self) -> None:
+        """A transfer finished, room was made or an error came (lock held): wake whoever
+        waits for that (``notify_all`` is Python code: skipped when nobody waits)."""
+        if self._num_waiting:
+            self.cond.notify_all()
+
+    def _wait_done(self, timeout: float) -> None:
+        """Wait (lock held) for ``_notify_done`` or ``timeout`` seconds."""
+        self._num_waiting += 1
+        try:
+            self.cond.wait(timeout)
+        finally:
+            self._num_waiting -= 1
 
     def _notify_everyone(self) -> None:
         self.cond.notify_all()
@@ -452,7 +467,7 @@ class Transfers(TransferWorkers):
             )
             dead.__cause__ = exc
             logger.error("%s", dead, exc_info=exc)
-            with self.cond:
+            with self.lock:
                 if self.dead is None:
                     self.dead = dead
                 if self.error is None:
@@ -462,7 +477,7 @@ class Transfers(TransferWorkers):
     # ----------------------------------------------------------------- shutdown
     def close(self, entries: list[Entry]) -> None:
         """Stop the workers (a running transfer finishes first) and release every entry."""
-        with self.cond:
+        with self.lock:
             self._stopping = True
             self._store_q.clear()
             self._load_q.clear()

@@ -33,6 +33,8 @@ class TransferWorkers:
     """Worker-thread methods of ``Transfers`` (a mixin: state lives in ``Transfers``)."""
 
     cond: Any
+    lock: Any
+    _notify_done: Any
     _store_ready: Any
     _load_ready: Any
     offloader: Any
@@ -60,7 +62,7 @@ class TransferWorkers:
     def _store_worker(self) -> None:
         assert self.offloader is not None
         while True:
-            with self.cond:
+            with self.lock:
                 while not self._stopping and (not self._store_q or self._load_q):
                     if self._reserve_bytes and not self._load_q:
                         break
@@ -107,14 +109,14 @@ class TransferWorkers:
         """Account for a finished store (no lock held on entry): on a store worker, or on the
         training thread after an inline one (Note [Small transfers inline])."""
         elapsed = end - start
-        self.trace.span("store", start, end, bytes=entry.nbytes, ok=failure is None)
+        self.trace.span("store", start, end, entry.nbytes, failure is None)
         if failure is None and storage.nbytes() != entry.nbytes:
             # Freed or resized while the copy ran: the stored bytes may be garbage. The
             # token is given back and the entry kept (as an unmanaged save would be).
             failure = _Resized()
         del storage
         release = None
-        with self.cond:
+        with self.lock:
             self.inflight_bytes -= entry.nbytes
             if entry.state is State.DROPPED:
                 self._orphan_store_bytes -= entry.nbytes
@@ -149,7 +151,7 @@ class TransferWorkers:
                             # (Note [Saved-version check]), but no longer its memory.
                             entry.remember_geometry()
                             release_alias(alias)
-            self.cond.notify_all()
+            self._notify_done()
         # An exception kept in a local until the next store would keep its traceback,
         # hence the failed step's tensors, alive while the worker idles.
         failure = None
@@ -168,7 +170,7 @@ class TransferWorkers:
             failure = None
         finally:
             self.cond.acquire()
-            self.cond.notify_all()  # wait_for_stores waits for this too
+            self._notify_done()  # wait_for_stores waits for this too
         if failure is not None:
             self.step.num_io_errors += 1
             if self.error is None:
@@ -189,7 +191,7 @@ class TransferWorkers:
         hold), its store is dropped, and the user is told once."""
         if not running:
             self.inflight_bytes -= entry.nbytes
-            self.cond.notify_all()
+            self._notify_done()
         if entry.state is not State.DROPPED:
             entry.state = State.KEPT
             self.step.kept_bytes += entry.nbytes
@@ -231,7 +233,7 @@ class TransferWorkers:
     def _load_worker(self) -> None:
         assert self.offloader is not None
         while True:
-            with self.cond:
+            with self.lock:
                 while not self._stopping and not self._load_q:
                     self._load_ready.wait()
                 if self._stopping:
@@ -242,11 +244,14 @@ class TransferWorkers:
                 token = entry.token
             self._run_load(entry, token)
 
-    def _run_load(self, entry: Entry, token: Any) -> None:
+    def _run_load(self, entry: Entry, token: Any) -> tuple[Any, Any]:
         """Read ``entry`` back (no lock held; the entry is LOADING) and account for the result:
         on a load worker, or on the thread that wants it for a small CPU entry (Note [Small
-        transfers inline])."""
+        transfers inline]). Returns what ``Transfers.fetch`` returns (the storage and its load
+        event); raises the load's error (the worker ignores both: the unpack that waits gets
+        them from the entry)."""
         assert self.offloader is not None
+        done = entry.load_done
         start = time.perf_counter()
         dst, event, failure = None, None, None
         try:
@@ -263,17 +268,19 @@ class TransferWorkers:
             failure = exc
         end = time.perf_counter()
         elapsed = end - start
-        self.trace.span("load", start, end, bytes=entry.nbytes, ok=failure is None)
-        release = None
-        with self.cond:
+        self.trace.span("load", start, end, entry.nbytes, failure is None)
+        release = error = None
+        with self.lock:
             if entry.state is State.DROPPED:
                 self._orphan_load_bytes -= entry.nbytes
                 release, entry.token = entry.token, None
                 self._pending_releases += 1
                 self.held_bytes -= entry.nbytes
             elif failure is not None:
-                entry.error = self._fail(entry, "load", failure)
+                error = self._fail(entry, "load", failure)
                 entry.state = State.STORED  # a later unpack may try again
+                if done is not None:  # else an inline load: raised below, to who wants it
+                    entry.error = error
             else:
                 entry.data, entry.load_event = dst.untyped_storage(), event
                 entry.reloaded = True
@@ -282,8 +289,8 @@ class TransferWorkers:
                 self.step.reloaded_bytes += entry.nbytes
                 self.step.read_s += elapsed
                 self._note_peak()
-            done = entry.load_done
-            self.cond.notify_all()
+            data, event = entry.data, entry.load_event
+            self._notify_done()
             if self._store_q and not self._load_q:
                 self._store_ready.notify_all()  # stores wait while loads are queued
         if done is not None:
@@ -291,3 +298,9 @@ class TransferWorkers:
         failure = dst = None  # see _run_store
         if release is not None:
             self._release(release)
+        if error is not None and done is None:
+            try:
+                raise error
+            finally:
+                error = None
+        return data, event
