@@ -103,3 +103,25 @@ def test_storing_leaves_the_source_resizable() -> None:
         off.release(token)
     finally:
         off.close()
+
+
+def test_max_pool_bytes_caps_the_pool() -> None:
+    import tba
+
+    off = HostOffloader(max_pool_bytes=3000)  # rounded up to 3072: six 512-byte extents
+    tokens = [off.store(torch.full((1000,), i, dtype=torch.uint8)) for i in range(3)]  # 1024 each
+    assert off.capacity_bytes == 3072 and off.try_store(torch.zeros(1, dtype=torch.uint8)) is None
+    with pytest.raises(tba.TBAError, match="max_pool_bytes=3072"):
+        off.store(torch.zeros(1, dtype=torch.uint8))
+    off.release(tokens[1])
+    token = off.try_store(torch.full((1024,), 7, dtype=torch.uint8))  # the freed extent, exactly
+    assert token is not None and token[1] == 1024
+    for t in (tokens[0], token, tokens[2]):
+        off.release(t)
+    off.reserve(1 << 20)  # a reservation past the cap is cut to it
+    token = off.store(torch.zeros(10, dtype=torch.uint8))
+    assert off.capacity_bytes == 3072
+    off.release(token)
+    off.close()
+    with pytest.raises(ValueError, match="max_pool_bytes must be None or > 0"):
+        HostOffloader(max_pool_bytes=0)
