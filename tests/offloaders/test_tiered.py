@@ -216,3 +216,12 @@ def test_config_rejects_bad_budgets_with_every_problem_at_once(bad: object) -> N
     message = str(info.value)
     assert f"host_budget_bytes={bad!r}: expected None or a positive integer" in message
     assert "num_store_threads=0" in message
+
+
+def test_placement_line_example_runs() -> None:
+    import doctest
+
+    import tba.cache.stats
+
+    result = doctest.testmod(tba.cache.stats, raise_on_error=False, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
