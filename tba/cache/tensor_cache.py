@@ -133,7 +133,9 @@ class TensorCache:
         """Counters of the last completed step, or totals over all steps with ``cumulative``."""
         self._raise_violation()
         with self._stats_lock:
-            return dataclasses.replace(self._steps.total if cumulative else self._steps.last)
+            out = dataclasses.replace(self._steps.total if cumulative else self._steps.last)
+            out.tiers = {name: dataclasses.replace(tier) for name, tier in out.tiers.items()}
+            return out
 
     @property
     def adaptive_decision(self) -> BoundaryDecision | None:

@@ -178,11 +178,12 @@ class TieredOffloader:
         return self._spill(src, num_bytes)
 
     def _spill(self, src: torch.Tensor, num_bytes: int) -> _Token:
-        if not self._spill_logged:
-            self._spill_logged = True
+        with self._lock:
+            first, self._spill_logged = not self._spill_logged, True
+        if first:
             logger.info(
-                "tba host+%s: the host tier is full (budget %d bytes); spilling to %s",
-                self.spill.name, self.host_budget_bytes, self.spill.name,
+                "tba %s: the host tier is full (budget %d bytes); spilling the rest to %s",
+                self.name, self.host_budget_bytes, self.spill.name,
             )
         inner = self.spill.store(src)
         tier = self._tiers[_SPILL]
