@@ -158,24 +158,19 @@ class HostOffloader:
             want = min(want, self._max_bytes - everything)
             if want < max(_ALIGNMENT, _aligned(num_bytes)):
                 return None
-        slab: _Slab | None = self._new_slab(pinned, want)
-        assert slab is not None
+        slab = self._new_slab(pinned, want)
         with self._lock:
             if self._closed:
                 slab.buffer.release()
                 raise RuntimeError("HostOffloader is closed")
-            if self._max_bytes is not None and want > self._max_bytes - sum(
-                s.extents.capacity_bytes for kind in self._slabs.values() for s in kind
-            ):
-                # Another store grew the pool meanwhile: no room for this slab after all.
-                found = self._take(pinned, num_bytes)
-            else:
+            capacity = sum(s.extents.capacity_bytes for kind in self._slabs.values() for s in kind)
+            room = self._max_bytes is None or want <= self._max_bytes - capacity
+            if room:
                 self._slabs[pinned].append(slab)
-                slab = None
-                found = self._take(pinned, num_bytes)
-                assert found is not None
-        if slab is not None:
-            slab.buffer.release()
+            found = self._take(pinned, num_bytes)
+        if not room:
+            slab.buffer.release()  # another store grew the pool to max_pool_bytes meanwhile
+        assert found is not None or not room
         return found
 
     def store(self, src: torch.Tensor) -> _Token:
