@@ -47,7 +47,7 @@ class CacheStats:
             buffer was allocated on (``record_stream`` needed; Note [Reload buffers on the
             consumer's stream]).
         tiers: per tier of a tiered offloader (``"host+ssd"``: ``"host"`` and ``"ssd"``), what
-            it stored and held (:class:`tba.offloaders.tier_stats.TierStats`); empty otherwise.
+            it stored and held (:class:`tba.offloaders.TierStats`); empty otherwise.
     """
 
     num_steps: int = 0
