@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tba.cache.entries import HOLDS_DATA, Entry, State
-from tba.cache.profiler_ranges import LoadDone
+from tba.cache.profiler_ranges import LoadDone, transfer_range
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
@@ -153,7 +153,8 @@ class Transfers(TransferWorkers):
         start = time.perf_counter()
         failure = None
         try:
-            token = self._store_now(storage)
+            with transfer_range("store", entry):
+                token = self._store_now(storage)
         except Exception as exc:  # re-raised on the training thread, never swallowed
             token, failure = None, exc
         if token is None and failure is None:

@@ -257,7 +257,8 @@ class TransferWorkers:
         try:
             if entry.inline:
                 dst = torch.empty(entry.nbytes, dtype=torch.uint8)
-                self.offloader.load(token, dst)
+                with transfer_range("load", entry):
+                    self.offloader.load(token, dst)
             else:
                 # Note [Reload buffers on the consumer's stream]
                 dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event)
