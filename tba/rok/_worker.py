@@ -8,7 +8,6 @@ preloaded torch and transformers, so every point starts from a fresh address spa
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import platform
@@ -19,78 +18,15 @@ import time
 import traceback
 from typing import Any
 
-STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload")
+from tba.rok._rss import RSS, configure_malloc
+
+STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload", "adaptive", "budget")
+# Fixed strategies name their offloader; the policy strategies (adaptive, budget) take the
+# sweep's ``policy_offloader`` (the SSD on CPU, where host memory is the device, else "host").
 _OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
-
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def configure_malloc(mmap_threshold_bytes: int | None) -> str:
-    """Make glibc return big frees to the OS at once, so RSS follows live memory.
-
-    Allocations above the mmap threshold get their own mapping, unmapped on free; a fixed
-    threshold also stops glibc from raising it dynamically after the first big free. The same
-    values are exported as ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` for the
-    forkserver; ``mallopt`` here makes sure they hold in this process.
-    """
-    if mmap_threshold_bytes is None or platform.system() != "Linux":
-        return "default"
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
-        ok &= libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold_bytes)) == 1
-    except OSError as e:  # not glibc
-        return f"default (mallopt unavailable: {e})"
-    return f"mmap/trim threshold {mmap_threshold_bytes} B" if ok else "default (mallopt refused)"
-
-
-class _RSS:
-    """Process RSS and its high-water mark, resettable through ``/proc/self/clear_refs``."""
-
-    def __init__(self) -> None:
-        self.page_bytes = os.sysconf("SC_PAGE_SIZE")
-        self.can_reset = self._try_reset()
-        self.method = ("VmHWM after clear_refs=5" if self.can_reset else "ru_maxrss (process lifetime)")
-
-    @staticmethod
-    def _try_reset() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return _RSS._status_kib("VmHWM") is not None
-        except OSError:
-            return False
-
-    @staticmethod
-    def _status_kib(key: str) -> int | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(key + ":"):
-                        return int(line.split()[1])
-        except OSError:
-            return None
-        return None
-
-    def current(self) -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * self.page_bytes
-        except OSError:
-            import psutil
-
-            return psutil.Process().memory_info().rss
-
-    def reset_peak(self) -> None:
-        if self.can_reset:
-            self._try_reset()
-
-    def peak(self) -> int:
-        if self.can_reset:
-            return self._status_kib("VmHWM") * 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+POLICY_STRATEGIES = ("adaptive", "budget")
+# Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds.
+_MAX_EXTRA_WARMUP = 6
 
 
 def cpu_name() -> str:
@@ -153,6 +89,78 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def cache_options(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``configure_tensor_cache`` options of a strategy (None: no tba cache).
+
+    Every strategy with a cache manages the same tensors (the sweep's ``min_offload_bytes`` and
+    ``keep_last_modules``). The fixed ones offload every block but the kept tail (``adaptive``
+    as the sweep says, off by default); ``adaptive`` leaves the policy at tba's defaults;
+    ``budget`` adds ``activation_budget_bytes`` (set by the sweep from keep's measured peak).
+    """
+    strategy, device = spec["strategy"], spec["device"]
+    offloader = spec.get("policy_offloader") or ("host" if device == "cuda" else "ssd")
+    offloader = _OFFLOADER.get(strategy, offloader)
+    if strategy == "recompute":
+        return None
+    if strategy not in _OFFLOADER and strategy not in POLICY_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    options: dict[str, Any] = dict(offloader=offloader, offload_devices=(device,),
+                                   min_offload_bytes=spec["min_offload_bytes"],
+                                   keep_last_modules=spec["keep_last_modules"])
+    if strategy in _OFFLOADER:
+        options["adaptive"] = spec["adaptive"] if offloader != "none" else False
+    if strategy == "budget":
+        if spec.get("activation_budget_bytes") is None:
+            raise ValueError("the budget strategy needs activation_budget_bytes in its spec (the sweep sets it "
+                             "from keep's cache-resident peak at the same batch)")
+        options["activation_budget_bytes"] = int(spec["activation_budget_bytes"])
+    if spec.get("ssd_dir") and offloader == "ssd":
+        options["ssd_dirs"] = (spec["ssd_dir"],)
+    return options
+
+
+def _tail_start(cache) -> int | None:
+    decision = getattr(cache, "adaptive_decision", None) if cache is not None else None
+    return getattr(decision, "tail_start", None)
+
+
+def _decision(cache) -> dict[str, Any]:
+    """The policy's last decision, as plain values (empty without one)."""
+    decision = getattr(cache, "adaptive_decision", None) if cache is not None else None
+    if decision is None:
+        return {}
+    return {"decision_tail_start": getattr(decision, "tail_start", None),
+            "decision_num_blocks": getattr(decision, "num_blocks", None),
+            "decision_reason": _one_line(getattr(decision, "reason", ""), 400)}
+
+
+class _Warmup:
+    """How many warm-up steps a point runs: the sweep's, and for a policy strategy (one that
+    decides from profiled steps) at least until it has decided and the decision held for a step."""
+
+    def __init__(self, spec: dict[str, Any], cache) -> None:
+        self.steps = spec["warmup_steps"]
+        self.cache = cache
+        self.policy = cache is not None and spec["strategy"] in POLICY_STRATEGIES
+        self.unsettled = ""
+        if self.policy:
+            profile_step = getattr(getattr(cache, "config", None), "profile_step", 1)
+            self.steps = max(self.steps, profile_step + 1)
+            self.limit = self.steps + _MAX_EXTRA_WARMUP
+        self.previous = _tail_start(cache)
+
+    def after_step(self, completed: int) -> None:
+        """Called after each warm-up step: extends the warm-up while the decision moves."""
+        if not self.policy:
+            return
+        now = _tail_start(self.cache)
+        if completed == self.steps and (now is None or now != self.previous) and self.steps < self.limit:
+            self.steps += 1
+        elif completed == self.steps and (now is None or now != self.previous):
+            self.unsettled = f"decision still {'missing' if now is None else 'moving'} after {completed} warm-up steps"
+        self.previous = now
+
+
 def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     wall0 = time.perf_counter()
     malloc = configure_malloc(spec.get("mmap_threshold_bytes")) if spec["device"] == "cpu" else "n/a"
@@ -166,7 +174,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     strategy, b, device = spec["strategy"], spec["batch_size"], spec["device"]
     m = spec["model"]
     cuda = device == "cuda"
-    rss = _RSS()
+    rss = RSS()
 
     model = build_model(m, device, spec["dtype"])
     if strategy in ("recompute", "recompute+offload"):
@@ -181,15 +189,12 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, m["vocab"], (b, m["seq_len"]), generator=g).to(device)
 
     cache = None
-    if strategy in _OFFLOADER:
-        options = dict(offloader=_OFFLOADER[strategy], offload_devices=(device,),
-                       min_offload_bytes=spec["min_offload_bytes"], keep_last_modules=spec["keep_last_modules"],
-                       adaptive=spec["adaptive"] if _OFFLOADER[strategy] != "none" else False)
-        if spec.get("ssd_dir") and _OFFLOADER[strategy] == "ssd":
-            options["ssd_dirs"] = (spec["ssd_dir"],)
+    options = cache_options(spec)
+    if options is not None:
         try:
             cache = tba.configure_tensor_cache(model, **options)
-        except (ValueError, ImportError, NotImplementedError, OSError, tba.TBAError) as e:
+        except (ValueError, TypeError, ImportError, NotImplementedError, OSError, tba.TBAError) as e:
+            # TypeError: an option this tba does not have (a policy strategy on an older tba)
             return {"status": f"unavailable: {type(e).__name__}: {_one_line(e)}"}
 
     def step() -> float:
@@ -206,11 +211,13 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         baseline = rss.current()
 
-    times, peaks, deltas, all_stats = [], [], [], []
+    times, peaks, deltas, all_stats, tail_starts = [], [], [], [], []
     loss = float("nan")
+    warmup = _Warmup(spec, cache)
     try:
-        for i in range(spec["warmup_steps"] + spec["steps"]):
-            measured = i >= spec["warmup_steps"]
+        i = 0
+        while i < warmup.steps + spec["steps"]:
+            measured = i >= warmup.steps
             gc.collect()
             if cuda:
                 torch.cuda.synchronize()
@@ -231,6 +238,11 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
                 deltas.append(peak - before)
                 if cache is not None:
                     all_stats.append(cache.stats())
+                    tail_starts.append(_tail_start(cache))
+            else:
+                warmup.after_step(i + 1)
+            i += 1
+        decision = _decision(cache)
     finally:
         if cache is not None:
             cache.close()
@@ -259,8 +271,17 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         "loss": loss,
         "malloc": malloc,
         "num_threads": torch.get_num_threads(),
+        "warmup_steps_run": warmup.steps,
         "worker_wall_s": time.perf_counter() - wall0,
     }
+    if options is not None:
+        row.update(offloader=options["offloader"], adaptive=options.get("adaptive", True), **decision)
+        if "activation_budget_bytes" in options:
+            row["activation_budget_bytes"] = options["activation_budget_bytes"]
+        if any(t is not None for t in tail_starts):
+            row["decision_tail_start_per_step"] = tail_starts
+        if warmup.unsettled:
+            row["decision_unsettled"] = warmup.unsettled
     if cuda:
         row["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:
