@@ -68,7 +68,7 @@ def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                         "peak at the same batch (default 0.5)")
     p.add_argument("--repeats", type=int, help="samples per point, taken in interleaved passes (default 3; 2 with "
                                                "--quick)")
-    p.add_argument("--steps", type=int, help="measured steps per sample (default 3; 2 with --quick)")
+    p.add_argument("--steps", type=int, help="measured steps per sample (default 2)")
     p.add_argument("--warmup", type=int, help="warm-up steps per sample (default 1; policy strategies run until "
                                               "their decision holds)")
     g = p.add_argument_group("model (GPT-2 config; defaults depend on --device/--quick)")
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
         "device": args.device, "model": model, "dtype": "bfloat16" if cuda else "float32",
         "batch_sizes": batches, "strategies": args.strategies,
         "repeats": args.repeats or (2 if args.quick else 3),
-        "steps": args.steps or (2 if args.quick else 3),
+        "steps": args.steps or 2,
         "warmup_steps": args.warmup if args.warmup is not None else 1,
         "min_offload_bytes": args.min_offload_bytes if args.min_offload_bytes is not None
         else (16 * 1024 if args.quick else 1 << 20 if cuda else 64 * 1024),

@@ -101,13 +101,15 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     ax_o.axhline(1.0, color="tab:blue", lw=1)
-    ax_o.set_xscale("log", base=2)
+    batches = sorted({p["batch_size"] for p in points})
+    for a in (ax_o, ax_p):
+        a.set_xscale("log", base=2)
+        a.set_xticks(batches, [str(b) for b in batches])
     ax_o.set_xlabel("micro-batch size")
     ax_o.set_ylabel("step time / keep's (same pass)")
     ax_o.set_title("overhead at equal batch: median, bars = min..max over passes;\nhollow = spread makes the "
                    "comparison meaningless", fontsize=9)
     ax_o.grid(alpha=0.3)
-    ax_p.set_xscale("log", base=2)
     ax_p.set_xlabel("micro-batch size")
     ax_p.set_ylabel("activation peak, MiB (median)")
     ax_p.set_title("peak vs batch: measured (solid), cache-resident activations (dashed)", fontsize=9)

@@ -90,7 +90,7 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
               noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
     """Both framings (module docstring) with their spreads and warnings; see Note [When a comparison means nothing].
 
-    ``budget_bytes`` None: keep's median peak at keep's median batch.
+    ``budget_bytes`` None: keep's peak at keep's median batch (the largest of its samples).
     """
     ok = {}
     for p in points:
@@ -118,8 +118,8 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
     budget_source = "--budget-bytes"
     if budget_bytes is None and keep:
         b_med = statistics.median_low(sorted(keep))
-        budget_bytes = int(keep[b_med]["activation_peak_bytes"])
-        budget_source = f"keep's median activation peak at its median batch {b_med}"
+        budget_bytes = int(keep[b_med]["activation_peak_bytes_max"])  # keep fits its own batch in every sample
+        budget_source = f"keep's activation peak at its median batch {b_med}, the largest of its samples"
     equal_budget: dict[str, dict[str, Any]] = {}
     if budget_bytes is not None:
         # A batch fits when its peak stays within the budget in every sample, not just the median.
