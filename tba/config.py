@@ -52,7 +52,14 @@ class TensorCacheConfig:
             hide behind compute (see the README). ``False`` offloads every block but the
             kept tail.
         profile_step: which completed step (1-based, after warm-up) is profiled when
-            ``adaptive`` is on.
+            ``adaptive`` is on or a budget is set.
+        activation_budget_bytes: budget mode: the most device memory the cache may hold for
+            saved activations at the step's peak (``stats().peak_resident_bytes``). The
+            profiled step measures the peak with every block offloaded, then tba offloads the
+            fewest leading blocks (the cheapest: their transfers are best hidden) whose
+            estimated peak fits, and offloads more if a step still peaks above it; it warns,
+            with numbers, when offloading every block but the kept tail does not fit. It
+            replaces ``adaptive``'s rule. ``None``: no budget.
         on_io_error: ``"raise"`` raises :class:`tba.OffloadIOError` in the training step;
             ``"keep"`` keeps the tensor in memory, warns once and carries on.
         ssd_dirs: directories for ``offloader="ssd"`` (tensors are striped across them), as
@@ -84,6 +91,7 @@ class TensorCacheConfig:
     block_modules: tuple[nn.Module | str | type[nn.Module], ...] | None = None
     adaptive: bool = True
     profile_step: int = 2
+    activation_budget_bytes: int | None = None
     on_io_error: Literal["raise", "keep"] = "raise"
     ssd_dirs: tuple[str, ...] | None = None
     ssd_engine: Literal["auto", "kvikio", "posix"] = "auto"
@@ -143,6 +151,17 @@ class TensorCacheConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
                 out.append(f"{name}={value!r}: expected an integer >= {minimum}")
+        budget = self.activation_budget_bytes
+        if budget is not None and (not _is_int(budget) or budget < 1):
+            out.append(
+                f"activation_budget_bytes={budget!r}: expected None or an integer number of "
+                "bytes >= 1"
+            )
+        elif budget is not None and self.offloader == "none":
+            out.append(
+                f"activation_budget_bytes={budget!r} with offloader='none': a budget needs an "
+                "offloader to send activations to (offloader='host' or 'ssd')"
+            )
         for name in ("skip_modules", "block_modules"):
             value = getattr(self, name)
             if value is None and name == "block_modules":

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from tba.cache.policy import Boundary
+from tba.cache.policy import Boundary, BoundaryDecision
 from tba.cache.profile import StepProfile
-from tba.cache.stats import CacheStats
+from tba.cache.stats import CacheStats, format_bytes
 from tba.config import TensorCacheConfig
 from tba.offloaders.base import Offloader
 
@@ -28,7 +30,9 @@ class Steps:
     A step opens at a forward of the model and finishes (``finish``, called by the cache) when
     everything it saved was released. With ``adaptive``, the step ``profile_step`` is profiled
     and the boundary decided from it; a change of input shapes, of forwards per step, or of the
-    measured write bandwidth schedules a new profile. All methods run under the cache's lock.
+    measured write bandwidth schedules a new profile. With ``activation_budget_bytes`` the
+    profiled step decides the budget boundary instead (Note [Budget mode]), and every later step
+    whose measured peak exceeds the budget moves it. All methods run under the cache's lock.
     """
 
     def __init__(
@@ -53,8 +57,11 @@ class Steps:
         self.history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
         self.profile: StepProfile | None = None
         self._num_done = 0
+        self._budget = config.activation_budget_bytes
+        self._deciding = config.adaptive or self._budget is not None
+        self._warned_budget = False
         # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
-        self._profile_due = config.profile_step if config.adaptive and offloader else None
+        self._profile_due = config.profile_step if self._deciding and offloader else None
         self._signature: tuple | None = None
         self._num_forwards = 0  # forwards (microbatches) in the running step
         self._forwards_per_step: int | None = None
@@ -66,7 +73,7 @@ class Steps:
             self.open = True
             self.backward_seen = False
         self._num_forwards += 1
-        if self._config.adaptive:
+        if self._deciding:
             self._check_signature(args)
         due = self._profile_due
         if self.profile is None and due is not None and self._num_done + 1 >= due:
@@ -89,7 +96,8 @@ class Steps:
         self.last = step
         self.total = self.total.merged(step)
         self._num_done += 1
-        self.history.append((self._num_done, step, self._boundary.tail_start))
+        ran_at = self._boundary.tail_start
+        self.history.append((self._num_done, step, ran_at))
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
         if self._forwards_per_step not in (None, forwards) and decision is not None:
@@ -98,11 +106,14 @@ class Steps:
         if self.profile is not None:
             profile, self.profile = self.profile, None
             self._decide(profile, step)
-        elif decision is not None and step.write_bytes_per_s > 0:
+        elif decision is not None and self._profile_due is None:
             ratio = step.write_bytes_per_s / max(decision.write_bytes_per_s, 1e-9)
-            if not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
+            if self._budget is not None:
+                # The budget needs no bandwidth; a step at another boundary writes other sizes.
+                self._check_budget(decision, step, ran_at)
+            elif step.write_bytes_per_s > 0 and not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
                 self._reprofile(f"write bandwidth moved {ratio:.2f}x")
-        reserve_after = self._config.profile_step if self._config.adaptive else 1
+        reserve_after = self._config.profile_step if self._deciding else 1
         peak_held = peak_held_bytes
         if not self._reserved and self._num_done >= reserve_after and self._offloader and peak_held:
             self._reserved = True
@@ -120,8 +131,59 @@ class Steps:
             logger.debug("tba adaptive: nothing was written in the profiled step; profiling the next")
             self._profile_due = self._num_done + 1
             return
-        self._boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
+        if self._budget is not None:
+            ran_at = self._boundary.default_tail_start  # the profiled step offloads them all
+            decision = self._boundary.decide_budget(
+                block_s, profile.block_bytes, forward_s, step.write_bytes_per_s,
+                budget_bytes=self._budget, peak_bytes=step.peak_resident_bytes, measured_at=ran_at,
+            )
+            self._warn_if_over_budget(decision)
+        else:
+            self._boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
         self._profile_due = None
+
+    def _check_budget(self, decision: BoundaryDecision, step: CacheStats, ran_at: int) -> None:
+        """A step at boundary ``ran_at`` peaked above the budget: offload more, from its peak
+        (never fewer blocks than ``ran_at`` + 1 until the next profile)."""
+        budget = self._budget
+        assert budget is not None
+        if step.peak_resident_bytes <= budget or ran_at >= self._boundary.default_tail_start:
+            if step.peak_resident_bytes > budget:
+                self._warn_if_over_budget(dataclasses.replace(
+                    decision, measured_peak_bytes=step.peak_resident_bytes,
+                    estimated_peak_bytes=step.peak_resident_bytes,
+                ))
+            return
+        logger.info(
+            "tba budget: step %d peaked at %d bytes over the budget of %d with blocks [0, %d) "
+            "offloaded; offloading more", self._num_done, step.peak_resident_bytes, budget, ran_at,
+        )
+        decision = self._boundary.decide_budget(
+            decision.block_s, decision.block_bytes, decision.forward_s,
+            decision.write_bytes_per_s, budget_bytes=budget,
+            peak_bytes=step.peak_resident_bytes, measured_at=ran_at, min_tail_start=ran_at + 1,
+        )
+        self._warn_if_over_budget(decision)
+
+    def _warn_if_over_budget(self, decision: BoundaryDecision) -> None:
+        """Note [Budget mode]: say once, with numbers, when offloading every block it may
+        does not bring the peak under the budget."""
+        budget, estimate = decision.activation_budget_bytes, decision.estimated_peak_bytes
+        if self._warned_budget or budget is None or estimate is None or estimate <= budget:
+            return
+        self._warned_budget = True
+        config = self._config
+        warnings.warn(
+            f"tba: activation_budget_bytes={budget} ({format_bytes(budget)}) cannot be met: with "
+            f"every block but the kept tail offloaded (blocks [0, {decision.tail_start}) of "
+            f"{decision.num_blocks}) the step's peak of saved activations in device memory is "
+            f"{estimate} bytes ({format_bytes(estimate)}), the best tba can do here. Raise the "
+            f"budget, or offload more: lower keep_last_modules={config.keep_last_modules}, "
+            f"max_inflight_bytes={config.max_inflight_bytes} or "
+            f"min_offload_bytes={config.min_offload_bytes}. (Shown once.)",
+            UserWarning,
+            stacklevel=1,
+        )
 
     def _check_signature(self, args: Any) -> None:
         signature = tuple(tuple(t.shape) for t in tensors_in(args))
