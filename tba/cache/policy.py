@@ -47,6 +47,13 @@ class BoundaryDecision:
         activation_budget_bytes: the budget (budget mode), or None.
         estimated_peak_bytes: budget mode: the estimated peak at ``tail_start``.
         measured_peak_bytes: budget mode: the peak the estimate started from.
+        rule_tail_start: closed loop: the boundary the rule allowed (``tail_start`` is what
+            the measured step times kept of it).
+        keep_step_s: closed loop: median step time keeping every block, last check.
+        offload_step_s: closed loop: median step time offloading blocks ``[0, tail_start)``
+            (or the last boundary measured), last check.
+        max_step_overhead: closed loop: the allowed overhead over keep.
+        profiled_at_step: the step number the profile was taken at.
     """
 
     tail_start: int
@@ -59,6 +66,18 @@ class BoundaryDecision:
     activation_budget_bytes: int | None = None
     estimated_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
+    rule_tail_start: int | None = None
+    keep_step_s: float | None = None
+    offload_step_s: float | None = None
+    max_step_overhead: float | None = None
+    profiled_at_step: int | None = None
+
+    @property
+    def step_overhead(self) -> float | None:
+        """Closed loop: measured step time offloading over keeping every block, minus 1."""
+        if self.keep_step_s is None or self.offload_step_s is None or self.keep_step_s <= 0:
+            return None
+        return self.offload_step_s / self.keep_step_s - 1.0
 
     def __str__(self) -> str:
         """One readable line (``summary()`` prints it)."""
@@ -73,6 +92,14 @@ class BoundaryDecision:
                 f", budget {format_bytes(self.activation_budget_bytes)}, measured peak "
                 f"{format_bytes(self.measured_peak_bytes or 0)}, estimated peak "
                 f"{format_bytes(self.estimated_peak_bytes or 0)}"
+            )
+        if self.rule_tail_start is not None:
+            text += f", rule allows blocks [0, {self.rule_tail_start})"
+        if self.keep_step_s is not None and self.offload_step_s is not None:
+            text += (
+                f", step keep {self.keep_step_s * 1e3:.1f} ms vs offload "
+                f"{self.offload_step_s * 1e3:.1f} ms ({self.step_overhead:+.1%}"
+                + (f", max {self.max_step_overhead:.0%})" if self.max_step_overhead is not None else ")")
             )
         return text + ")"
 
@@ -176,7 +203,17 @@ class Boundary:
         self.keep_last_modules = keep_last_modules
         self.default_tail_start = max(0, num_blocks - keep_last_modules)
         self.tail_start = self.default_tail_start
+        # Blocks before ``tail_start`` are offloaded; with ``keep_all`` (the closed loop's
+        # keep steps and its "keep every block") nothing at all is, units outside the blocks
+        # included.
+        self.keep_all = False
         self.decision: BoundaryDecision | None = None
+
+    def set(self, tail_start: int, *, keep_all: bool = False) -> None:
+        """Offload blocks ``[0, tail_start)`` from the next forward on; ``keep_all`` with 0
+        offloads nothing at all."""
+        self.tail_start = tail_start
+        self.keep_all = keep_all and tail_start == 0
 
     def decide_budget(
         self,
@@ -204,7 +241,7 @@ class Boundary:
                 f"; the write bandwidth hides only blocks [0, {rule_n}): expect the step to wait "
                 "on transfers"
             )
-        self.tail_start = n
+        self.set(n)
         self.decision = BoundaryDecision(
             n, self.num_blocks, tuple(block_s), tuple(block_bytes), forward_s, write_bytes_per_s,
             reason, budget_bytes, estimate, peak_bytes,
@@ -221,7 +258,7 @@ class Boundary:
     ) -> BoundaryDecision:
         """Move the boundary by the rule (never past the kept tail) and remember why."""
         n, reason = solve_boundary(block_s, block_bytes, forward_s, write_bytes_per_s)
-        self.tail_start = min(n, self.default_tail_start)
+        self.set(min(n, self.default_tail_start))
         self.decision = BoundaryDecision(
             self.tail_start, self.num_blocks, tuple(block_s), tuple(block_bytes), forward_s,
             write_bytes_per_s, reason,

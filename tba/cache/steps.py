@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from tba.cache.clock import StepClock, default_clock
+from tba.cache.closed_loop import OverheadLoop
 from tba.cache.policy import Boundary, BoundaryDecision
 from tba.cache.profile import StepProfile
 from tba.cache.stats import CacheStats, format_bytes
@@ -30,7 +32,9 @@ class Steps:
     A step opens at a forward of the model and finishes (``finish``, called by the cache) when
     everything it saved was released. With ``adaptive``, the step ``profile_step`` is profiled
     and the boundary decided from it; a change of input shapes, of forwards per step, or of the
-    measured write bandwidth schedules a new profile. With ``activation_budget_bytes`` the
+    measured write bandwidth schedules a new profile; with ``max_step_overhead`` the rule's
+    boundary is then checked against measured step time (Note [Closed loop]). With
+    ``activation_budget_bytes`` the
     profiled step decides the budget boundary instead (Note [Budget mode]), and every later step
     whose measured peak exceeds the budget moves it. All methods run under the cache's lock.
     """
@@ -60,27 +64,41 @@ class Steps:
         self._budget = config.activation_budget_bytes
         self._deciding = config.adaptive or self._budget is not None
         self._warned_budget = False
+        self._rule_reason = ""
         # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
         self._profile_due = config.profile_step if self._deciding and offloader else None
         self._signature: tuple | None = None
         self._num_forwards = 0  # forwards (microbatches) in the running step
         self._forwards_per_step: int | None = None
         self._reserved = False
+        # Note [Closed loop]: step times from ``clock`` (set before the first forward to
+        # inject one; the default is chosen then, once the model's device is known).
+        self.clock: StepClock | None = None
+        self._step_start: Any = None
+        self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque(maxlen=64)
+        overhead = config.max_step_overhead
+        self.loop = (
+            OverheadLoop(overhead)
+            if config.adaptive and overhead is not None and self._budget is None and offloader
+            else None
+        )
 
     def begin_forward(self, args: Any) -> None:
         """A forward of the model starts: open a step if none is, profile it if due."""
         if not self.open:
             self.open = True
             self.backward_seen = False
+            if self.clock is None:
+                self.clock = default_clock(self._on_cuda())
+            self._step_start = self.clock.mark() if self.loop is not None else None
         self._num_forwards += 1
         if self._deciding:
             self._check_signature(args)
         due = self._profile_due
         if self.profile is None and due is not None and self._num_done + 1 >= due:
-            self._boundary.tail_start = self._boundary.default_tail_start
-            self.profile = StepProfile(
-                self._boundary.num_blocks, self._on_cuda(), self._waited_s
-            )
+            self._boundary.set(self._boundary.default_tail_start)
+            assert self.clock is not None
+            self.profile = StepProfile(self._boundary.num_blocks, self.clock, self._waited_s)
         if self.profile is not None:
             self.profile.start(None)
 
@@ -98,6 +116,9 @@ class Steps:
         self._num_done += 1
         ran_at = self._boundary.tail_start
         self.history.append((self._num_done, step, ran_at))
+        if self._step_start is not None and self.clock is not None:
+            self._timed.append((ran_at, self._step_start, self.clock.mark()))
+            self._step_start = None
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
         if self._forwards_per_step not in (None, forwards) and decision is not None:
@@ -111,6 +132,8 @@ class Steps:
             if self._budget is not None:
                 # The budget needs no bandwidth; a step at another boundary writes other sizes.
                 self._check_budget(decision, step, ran_at)
+            elif self.loop is not None:
+                self._feed_loop(decision)  # step time replaces the bandwidth trigger
             elif step.write_bytes_per_s > 0 and not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
                 self._reprofile(f"write bandwidth moved {ratio:.2f}x")
         reserve_after = self._config.profile_step if self._deciding else 1
@@ -124,6 +147,31 @@ class Steps:
     def _reprofile(self, why: str) -> None:
         logger.info("tba adaptive: %s, re-profiling", why)
         self._profile_due = self._num_done + 1
+        self._timed.clear()
+
+    def _feed_loop(self, decision: BoundaryDecision) -> None:
+        """Note [Closed loop]: hand the loop the step times that are ready (on CUDA, those
+        whose end event the GPU has passed) and apply the boundary it asks for."""
+        loop, clock, timed = self.loop, self.clock, self._timed
+        assert loop is not None and clock is not None
+        changed = False
+        while timed:
+            ran_at, start, end = timed[0]
+            seconds = clock.seconds(start, end)
+            if seconds is None:
+                break
+            timed.popleft()
+            changed = True
+            tail_start = loop.observe(ran_at, seconds)
+            if tail_start is None:
+                self._reprofile(loop.reason)
+                break
+            self._boundary.set(tail_start, keep_all=True)
+        if changed:
+            self._boundary.decision = dataclasses.replace(
+                decision, tail_start=loop.candidate, reason=f"{loop.reason}; {self._rule_reason}",
+                keep_step_s=loop.keep_s, offload_step_s=loop.offload_s,
+            )
 
     def _decide(self, profile: StepProfile, step: CacheStats) -> None:
         block_s, forward_s = profile.finish()
@@ -139,8 +187,23 @@ class Steps:
             )
             self._warn_if_over_budget(decision)
         else:
-            self._boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
+            decision = self._boundary.decide(
+                block_s, profile.block_bytes, forward_s, step.write_bytes_per_s
+            )
+            loop = self.loop
+            if loop is not None:
+                self._rule_reason = f"rule: {decision.reason}"
+                self._timed.clear()
+                self._boundary.set(loop.start(decision.tail_start, profile.block_bytes), keep_all=True)
+                self._boundary.decision = dataclasses.replace(
+                    decision, reason=f"{loop.reason}; {self._rule_reason}",
+                    rule_tail_start=decision.tail_start, max_step_overhead=loop.max_overhead,
+                )
         self._profile_due = None
+        if self._boundary.decision is not None:
+            self._boundary.decision = dataclasses.replace(
+                self._boundary.decision, profiled_at_step=self._num_done
+            )
 
     def _check_budget(self, decision: BoundaryDecision, step: CacheStats, ran_at: int) -> None:
         """A step at boundary ``ran_at`` peaked above the budget: offload more, from its peak
