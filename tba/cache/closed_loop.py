@@ -15,6 +15,11 @@ here too: it replaces the write-bandwidth trigger of the open rule, whose measur
 with the boundary). The loop only reads step times: the cache's steps feed it (``observe``)
 and apply the boundary it returns. Tested with an injected clock in
 tests/cache/test_closed_loop.py.
+
+A keep step holds every activation of the step in memory, which offloading was meant to avoid:
+the loop measures only when the memory free at the decision covers what the rule's boundary
+would have offloaded (``free_memory_bytes``, with a margin); otherwise the rule's boundary stands
+and the decision says why. ``max_step_overhead=None`` turns the loop off.
 """
 
 from __future__ import annotations
@@ -23,14 +28,28 @@ import collections
 import logging
 from collections.abc import Iterable, Sequence
 
-__all__ = ["OverheadLoop"]
+__all__ = ["OverheadLoop", "free_memory_bytes", "KEEP_MARGIN"]
 
 logger = logging.getLogger(__name__)
 
+KEEP_MARGIN = 1.25  # free memory a keep step needs, over the bytes it keeps in addition
 RECHECK_EVERY_STEPS = 500  # steady steps between re-checks
 NUM_SAMPLES = 3  # step-time samples per boundary in a check
 DRIFT_WINDOW = 5  # steady steps whose median is compared with the accepted time
 STEP_DRIFT = 1.25  # a re-check when that median moves by this factor
+
+
+def free_memory_bytes(cuda: bool) -> int:
+    """Memory a keep step could still use: on CUDA what the driver has free plus what torch's
+    caching allocator holds unused; on CPU the memory the OS reports available."""
+    if cuda:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    import psutil  # not at module level: ``import tba`` loads no native library
+
+    return int(psutil.virtual_memory().available)
 
 
 def _median(values: Iterable[float]) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from tba.cache.clock import StepClock, default_clock
-from tba.cache.closed_loop import OverheadLoop
+from tba.cache.closed_loop import KEEP_MARGIN, OverheadLoop, free_memory_bytes
 from tba.cache.policy import Boundary, BoundaryDecision
 from tba.cache.profile import StepProfile
 from tba.cache.stats import CacheStats, format_bytes
@@ -65,6 +66,7 @@ class Steps:
         self._deciding = config.adaptive or self._budget is not None
         self._warned_budget = False
         self._rule_reason = ""
+        self._loop_on = False  # the loop measures since the last profile
         # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
         self._profile_due = config.profile_step if self._deciding and offloader else None
         self._signature: tuple | None = None
@@ -74,6 +76,7 @@ class Steps:
         # Note [Closed loop]: step times from ``clock`` (set before the first forward to
         # inject one; the default is chosen then, once the model's device is known).
         self.clock: StepClock | None = None
+        self.free_bytes: Callable[[], int] | None = None  # memory a keep step may use
         self._step_start: Any = None
         self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque(maxlen=64)
         overhead = config.max_step_overhead
@@ -132,7 +135,7 @@ class Steps:
             if self._budget is not None:
                 # The budget needs no bandwidth; a step at another boundary writes other sizes.
                 self._check_budget(decision, step, ran_at)
-            elif self.loop is not None:
+            elif self._loop_on:
                 self._feed_loop(decision)  # step time replaces the bandwidth trigger
             elif step.write_bytes_per_s > 0 and not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
                 self._reprofile(f"write bandwidth moved {ratio:.2f}x")
@@ -194,9 +197,24 @@ class Steps:
             if loop is not None:
                 self._rule_reason = f"rule: {decision.reason}"
                 self._timed.clear()
-                self._boundary.set(loop.start(decision.tail_start, profile.block_bytes), keep_all=True)
+                # What a keep step holds beyond the rule's step (and what it held then).
+                extra = sum(profile.block_bytes[: decision.tail_start])
+                if self.free_bytes is None:
+                    self.free_bytes = functools.partial(free_memory_bytes, self._on_cuda())
+                free = self.free_bytes()
+                self._loop_on = free >= KEEP_MARGIN * extra
+                if self._loop_on:
+                    tail_start = loop.start(decision.tail_start, profile.block_bytes)
+                    self._boundary.set(tail_start, keep_all=True)
+                    reason = loop.reason
+                else:
+                    reason = (
+                        f"closed loop not measuring: a step keeping every block would hold "
+                        f"{format_bytes(extra)} more, and {format_bytes(free)} is free"
+                    )
+                    logger.warning("tba adaptive: %s; the rule's boundary stands", reason)
                 self._boundary.decision = dataclasses.replace(
-                    decision, reason=f"{loop.reason}; {self._rule_reason}",
+                    decision, reason=f"{reason}; {self._rule_reason}",
                     rule_tail_start=decision.tail_start, max_step_overhead=loop.max_overhead,
                 )
         self._profile_due = None

@@ -217,3 +217,22 @@ def test_max_step_overhead_is_validated() -> None:
         with pytest.raises(ValueError, match="max_step_overhead"):
             tba.TensorCacheConfig(max_step_overhead=bad)
     assert tba.TensorCacheConfig(max_step_overhead=0).max_step_overhead == 0
+
+
+def test_no_keep_steps_without_memory_for_them() -> None:
+    """A keep step would hold what the rule offloads: without that much memory free, the loop
+    does not measure, the rule's boundary stands and the decision says why."""
+    model = models.Stack(num_blocks=_BLOCKS)
+    with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
+                                    min_offload_bytes=0) as cache:
+        cache._steps.free_bytes = lambda: 1000
+        for step in range(6):
+            loss = model(models.vector_batch(step))
+            cache.wait_for_stores(60)
+            loss.backward()
+        decision = cache.adaptive_decision
+        tails = [t for _, _, t in cache._steps.history]
+    assert tails == [5] * 6, tails
+    assert decision.reason.startswith("closed loop not measuring: a step keeping every block "
+                                      "would hold"), decision.reason
+    assert "1000 B is free" in decision.reason
