@@ -227,7 +227,9 @@ class TensorCache:
         policy offloaded in the last completed step, 0 when that step wrote nothing."""
         name = self.offloader.name if self.offloader is not None else "none"
         last, steps = self._steps.last, self._steps.total.num_steps
-        offloaded = self.boundary.tail_start if last.offloaded_bytes > 0 else 0
+        history = self._steps.history
+        ran_at = history[-1][2] if history else self.boundary.tail_start
+        offloaded = ran_at if last.offloaded_bytes > 0 else 0
         return (
             f"TensorCache(model={type(self.model).__name__}, offloader={name!r}, "
             f"blocks={self.num_blocks}, steps={steps}, offloaded_blocks={offloaded}, "
