@@ -3,7 +3,7 @@
 
 Command lines (from the repository root, venv active):
 
-    # Default CPU sweep (GPT-2, 12 layers x 128 wide, seq 128; batches 2,4,8,16; 7 strategies x 3
+    # Default CPU sweep (GPT-2, 12 layers x 128 wide, seq 128; batches 1,2,4,8; 7 strategies x 3
     # interleaved passes; < 5 min on 2 quiet cores):
     python benchmarks/rok_curve.py
     # -> out/rok/rok_curve.{csv,json,png}, out/rok/rok_samples.csv, out/rok/logs/sweep.log

@@ -55,7 +55,7 @@ def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated, from {', '.join(STRATEGIES)} (default: all; run in this order, keep "
                         f"first)")
-    p.add_argument("--batch-sizes", help="comma-separated micro-batch sizes (default: 2,4,8,16 on CPU, "
+    p.add_argument("--batch-sizes", help="comma-separated micro-batch sizes (default: 1,2,4,8 on CPU, "
                                          "2,4,8,16,32 on CUDA, 1,2 with --quick)")
     p.add_argument("--out", default=str(Path("out") / "rok"),
                    help="output directory (default out/rok in the working directory; figures worth keeping go "
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
     for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
         if getattr(args, name) is not None:
             model[name] = getattr(args, name)
-    batches = args.batch_sizes or ([1, 2] if args.quick else [2, 4, 8, 16, 32] if cuda else [2, 4, 8, 16])
+    batches = args.batch_sizes or ([1, 2] if args.quick else [2, 4, 8, 16, 32] if cuda else [1, 2, 4, 8])
     config = {
         "device": args.device, "model": model, "dtype": "bfloat16" if cuda else "float32",
         "batch_sizes": batches, "strategies": args.strategies,

@@ -15,13 +15,13 @@ CSV_COLUMNS = [
     "strategy", "batch_size", "status", "num_samples", "num_failed", *_SPREAD_COLUMNS,
     "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kept_bytes", "cache_reloaded_bytes",
     "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s", "cache_io_cpu_s", "activation_budget_bytes",
-    "decision_tail_start", "decision_num_blocks", "warmup_steps_run", "activation_peak_step_delta_bytes",
+    "budget_met", "decision_tail_start", "decision_num_blocks", "warmup_steps_run", "activation_peak_step_delta_bytes",
     "baseline_bytes", "plan_activation_bytes", "model_flops_per_step", "load_avg_1min", "peak_method",
 ]
 SAMPLE_COLUMNS = [
     "repeat", "strategy", "batch_size", "status", "activation_peak_bytes", "step_time_s", "model_flops_per_s",
     "tokens_per_s", "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_stall_s", "cache_io_cpu_s",
-    "activation_budget_bytes", "decision_tail_start", "warmup_steps_run", "load_avg_1min", "started_s",
+    "activation_budget_bytes", "budget_met", "decision_tail_start", "warmup_steps_run", "load_avg_1min", "started_s",
 ]
 
 
@@ -141,7 +141,9 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
                        f"{p['activation_peak_bytes_max'] / 2**20:.1f})"
                      + f"  step {p['step_time_s'] * 1e3:.0f} ms ({p['step_time_s_min'] * 1e3:.0f}.."
                        f"{p['step_time_s_max'] * 1e3:.0f})"
-                     + (f"  budget {_mib(p['activation_budget_bytes'])}" if "activation_budget_bytes" in p else "")
+                     + (f"  budget {_mib(p['activation_budget_bytes'])} "
+                        f"({'met' if p.get('budget_met') else 'not met in every sample'}: cache peak "
+                        f"{_mib(p.get('cache_peak_resident_bytes'))})" if "activation_budget_bytes" in p else "")
                      + (f"  policy offloads {p['decision_tail_start']} of {p.get('decision_num_blocks', '?')} blocks"
                         if "decision_tail_start" in p else ""))
     warnings = summary["warnings"]

@@ -29,7 +29,8 @@ _MEDIAN_ONLY = ("cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kep
                 "activation_peak_step_delta_bytes", "baseline_bytes", "activation_budget_bytes",
                 "warmup_steps_run", "load_avg_1min")
 _FIRST = ("plan_activation_bytes", "model_flops_per_step", "peak_method", "offloader", "adaptive",
-          "decision_tail_start", "decision_num_blocks", "decision_reason")
+          "decision_tail_start", "decision_num_blocks", "decision_reason", "decision_unsettled")
+_ALL = ("budget_met",)  # booleans: true only when true in every sample
 
 
 def _is_ok(sample: dict[str, Any]) -> bool:
@@ -63,6 +64,10 @@ def aggregate(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             val = next((s[key] for s in ok if s.get(key) is not None), None)
             if val is not None:
                 point[key] = val
+        for key in _ALL:
+            vals = [s[key] for s in ok if s.get(key) is not None]
+            if vals:
+                point[key] = all(vals)
         points.append(point)
     return points
 
@@ -99,7 +104,8 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
     strategies = list(dict.fromkeys(p["strategy"] for p in points))
     unavailable = {s: next(p["status"] for p in points if p["strategy"] == s) for s in strategies if s not in ok}
     keep = ok.get("keep", {})
-    warnings: list[str] = []
+    warnings: list[str] = [f"{p['strategy']} b={p['batch_size']}: {p['decision_unsettled']}; its samples may time "
+                           f"the policy's own measurements" for p in points if p.get("decision_unsettled")]
 
     equal_batch: dict[str, dict[str, Any]] = {}
     for s, pts in ok.items():

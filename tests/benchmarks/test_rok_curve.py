@@ -242,13 +242,18 @@ def test_adaptive_strategy_decides_before_it_is_measured():
 
 @pytest.mark.skipif(not HAS_BUDGET, reason="this tba has no activation_budget_bytes option")
 def test_budget_strategy_meets_its_budget():
-    keep = _rok_worker.run_point(_spec(strategy="keep", batch_size=4, steps=2))
+    # The host offloader: on CPU its copies finish at once, so the cache's peak follows the boundary.
+    spec = _spec(model=dict(layers=6, hidden=64, heads=2, seq_len=64, vocab=64), batch_size=4, steps=2,
+                 policy_offloader="host")
+    keep = _rok_worker.run_point(spec)
     assert keep["status"] == "ok" and keep["cache_peak_resident_bytes"] > 0
-    budget = keep["cache_peak_resident_bytes"] // 2
-    row = _rok_worker.run_point(_spec(strategy="budget", batch_size=4, steps=2, activation_budget_bytes=budget))
+    budget = int(0.75 * keep["cache_peak_resident_bytes"])
+    row = _rok_worker.run_point(dict(spec, strategy="budget", activation_budget_bytes=budget))
     assert row["status"] == "ok", row
-    assert row["activation_budget_bytes"] == budget and row["cache_offloaded_bytes"] > 0
-    assert row["cache_peak_resident_bytes"] <= budget
+    assert row["activation_budget_bytes"] == budget and row["offloader"] == "host"
+    assert all(b > 0 for b in row["cache_offloaded_bytes_per_step"])
+    assert row["cache_peak_resident_bytes"] <= budget and row["budget_met"] is True
+    assert row["decision_tail_start"] is not None and "budget" in row["decision_reason"]
 
 
 def test_docstring_examples_run():
@@ -257,3 +262,46 @@ def test_docstring_examples_run():
     for module in (_rok_schedule, _rok_spread):
         result = doctest.testmod(module, raise_on_error=False, verbose=False)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+class _ScriptedCache:
+    """A cache double whose decision and offloaded bytes follow a script, one entry per step."""
+
+    def __init__(self, script):
+        self.script, self.step = script, 0
+        self.config = tba.TensorCacheConfig(offload_devices=("cpu",))  # profile_step 2
+
+    @property
+    def adaptive_decision(self):
+        tail = self.script[self.step - 1][0] if self.step else None
+        return None if tail is None else type("Decision", (), {"tail_start": tail})()
+
+    def stats(self):
+        return type("Stats", (), {"offloaded_bytes": self.script[self.step - 1][1]})()
+
+
+def _warmup_steps(script, measured=2, strategy="adaptive"):
+    # The worker's loop: warm up until _Warmup says enough, then the measured steps.
+    cache = _ScriptedCache(script)
+    warmup = _rok_worker._Warmup(_spec(strategy=strategy, warmup_steps=1), cache)
+    i = 0
+    while i < warmup.steps + measured:
+        cache.step += 1  # the step runs
+        if i < warmup.steps:
+            warmup.after_step(i + 1)
+        i += 1
+    return warmup
+
+
+def test_warmup_waits_for_the_policy_to_settle():
+    # Note [Warm up until the policy settles]: profile (step 2), the closed loop alternating keep
+    # steps (nothing offloaded) with steps offloading [0, 11), backing off to [0, 9), settling.
+    loop = [(None, 100), (11, 100), (11, 0), (11, 80), (11, 0), (11, 90), (11, 0), (9, 50), (9, 0), (9, 70),
+            (9, 0), (9, 60), (9, 0), (9, 40), (9, 85)]
+    warmup = _warmup_steps(loop + [(9, 85)] * 2)
+    assert warmup.steps == len(loop) and not warmup.unsettled  # offloaded bytes vary; the decision held
+    assert _warmup_steps([(None, 0), (3, 10), (3, 12)] + [(3, 9)] * 2).steps == 3  # the earliest: profile_step + 1
+    assert _warmup_steps([(None, 10)] + [(0, 0)] * 5).steps == 3  # settled on keeping every block
+    assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="offload-ssd").steps == 1  # not a policy
+    moving = _warmup_steps([(None, 10)] + [(4, 0), (4, 10)] * 20)
+    assert moving.steps == 3 + _rok_worker._MAX_EXTRA_WARMUP and "still moving" in moving.unsettled
