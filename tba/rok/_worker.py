@@ -139,14 +139,15 @@ class _Warmup:
     decides from profiled and measured steps) as many more as it takes to decide and settle.
 
     # Note [Warm up until the policy settles]
-    tba's adaptive policy profiles a step, then (closed loop) alternates steps that keep every
-    block with steps that offload, to measure the overhead; budget mode may correct its
-    boundary from a measured peak. Measuring those steps would time the policy's experiments,
-    not its decision. So a policy strategy warms up until a decision exists and two
+    tba's adaptive policy profiles a step, then (closed loop) alternates steps that keep
+    every block with steps that offload, to measure the overhead; budget mode may correct
+    its boundary from a measured peak. Measuring those steps would time the policy's
+    experiments, not its decision. So a deciding cache (the adaptive and budget strategies,
+    and the fixed ones with ``--adaptive``) warms up until a decision exists and two
     consecutive steps ran it alike: the same boundary, and both offloaded something or both
-    nothing (the closed loop's keep steps offload nothing and alternate with offloading steps,
-    so its measuring never looks settled; the bytes themselves vary from step to step, as
-    stores still queued when backward needs their tensor are cancelled). Up to
+    nothing (the closed loop's keep steps offload nothing and alternate with offloading
+    steps, so its measuring never looks settled; the bytes themselves vary from step to
+    step, as stores still queued when backward needs their tensor are cancelled). Up to
     ``_MAX_EXTRA_WARMUP`` steps more; a point that did not settle says so
     (``decision_unsettled``). Tested in
     tests/benchmarks/test_rok_curve.py::test_warmup_waits_for_the_policy_to_settle.
@@ -155,7 +156,10 @@ class _Warmup:
     def __init__(self, spec: dict[str, Any], cache) -> None:
         self.steps = spec["warmup_steps"]
         self.cache = cache
-        self.policy = cache is not None and spec["strategy"] in POLICY_STRATEGIES
+        # A deciding cache: the policy strategies, and the fixed ones run with ``--adaptive``.
+        options = cache_options(spec) if cache is not None else None
+        self.policy = options is not None and options["offloader"] != "none" and (
+            options.get("adaptive", True) or options.get("activation_budget_bytes") is not None)
         self.unsettled = ""
         self.previous: tuple[int | None, bool] | None = None
         if self.policy:

@@ -59,6 +59,9 @@ def test_quick_run_writes_csv_json_png(tmp_path):
     assert len(rec["ratios"]) == 2 and rec["ratio"]["min"] <= rec["ratio"]["median"] <= rec["ratio"]["max"]
     adaptive = next(p for p in report["rows"] if p["strategy"] == "adaptive" and p["batch_size"] == 2)
     assert adaptive["decision_tail_start"] is not None and adaptive["warmup_steps_run"] >= 3
+    for budget in (s for s in report["samples"] if s["strategy"] == "budget" and s["status"] == "ok"):
+        keep = next(s for s in report["samples"] if s["strategy"] == "keep" and s["batch_size"] == budget["batch_size"])
+        assert budget["activation_budget_bytes"] == int(0.5 * keep["cache_peak_resident_bytes"])
     keep_curve = report["plot"]["curve"]["keep"]
     assert keep_curve["batch_sizes"] == [1, 2] and len(keep_curve["yerr"]) == 2 and len(keep_curve["yerr"][0]) == 2
     png = (tmp_path / "rok_curve.png").read_bytes()
@@ -280,10 +283,10 @@ class _ScriptedCache:
         return type("Stats", (), {"offloaded_bytes": self.script[self.step - 1][1]})()
 
 
-def _warmup_steps(script, measured=2, strategy="adaptive"):
+def _warmup_steps(script, measured=2, strategy="adaptive", adaptive=False):
     # The worker's loop: warm up until _Warmup says enough, then the measured steps.
     cache = _ScriptedCache(script)
-    warmup = _rok_worker._Warmup(_spec(strategy=strategy, warmup_steps=1), cache)
+    warmup = _rok_worker._Warmup(_spec(strategy=strategy, warmup_steps=1, adaptive=adaptive), cache)
     i = 0
     while i < warmup.steps + measured:
         cache.step += 1  # the step runs
@@ -303,5 +306,7 @@ def test_warmup_waits_for_the_policy_to_settle():
     assert _warmup_steps([(None, 0), (3, 10), (3, 12)] + [(3, 9)] * 2).steps == 3  # the earliest: profile_step + 1
     assert _warmup_steps([(None, 10)] + [(0, 0)] * 5).steps == 3  # settled on keeping every block
     assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="offload-ssd").steps == 1  # not a policy
+    assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="keep", adaptive=True).steps == 1
+    assert _warmup_steps([(None, 10)] + [(5, 0), (5, 9), (5, 9)], strategy="offload-ssd", adaptive=True).steps == 4
     moving = _warmup_steps([(None, 10)] + [(4, 0), (4, 10)] * 20)
     assert moving.steps == 3 + _rok_worker._MAX_EXTRA_WARMUP and "still moving" in moving.unsettled
