@@ -236,11 +236,14 @@ def test_strategy_order_and_budget_needs_keep(capsys):
 
 
 def test_adaptive_strategy_decides_before_it_is_measured():
-    row = _rok_worker.run_point(_spec(strategy="adaptive", steps=2, warmup_steps=0))
+    row = _rok_worker.run_point(_spec(strategy="adaptive", steps=2, warmup_steps=0, batch_size=4,
+                                      model=dict(layers=6, hidden=64, heads=2, seq_len=64, vocab=64)))
     assert row["status"] == "ok", row
-    assert row["decision_tail_start"] is not None and row["decision_num_blocks"] == 2 and row["decision_reason"]
-    assert row["warmup_steps_run"] >= tba.TensorCacheConfig().profile_step + 1
+    assert row["decision_tail_start"] is not None and row["decision_num_blocks"] == 6 and row["decision_reason"]
+    assert row["warmup_steps_run"] >= tba.TensorCacheConfig().profile_step + 1 and "decision_unsettled" not in row
+    # Measured steps run the settled decision: no closed-loop keep step among them.
     assert row["decision_tail_start_per_step"] == [row["decision_tail_start"]] * 2
+    assert len({b > 0 for b in row["cache_offloaded_bytes_per_step"]}) == 1
 
 
 @pytest.mark.skipif(not HAS_BUDGET, reason="this tba has no activation_budget_bytes option")
