@@ -265,10 +265,12 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
             progress.finish(line)
             write(final=False)  # a killed sweep still leaves what it measured
         report = write(final=True)
+        cpu_s = sum(s.get("worker_cpu_s", 0.0) for s in samples)
         say(_report.format_summary(report["summary"], report["rows"], config, cuda))
         say(f"\nwrote {out / 'rok_curve.csv'}, {out / 'rok_samples.csv'}, {out / 'rok_curve.json'}, "
-            f"{out / 'rok_curve.png'} ({report['total_wall_s']:.0f} s; load average at end "
-            f"{env.get('load_avg_end')})" + (f"; {interrupted}: partial results" if interrupted else ""))
+            f"{out / 'rok_curve.png'} ({report['total_wall_s']:.0f} s wall; the workers used {cpu_s:.0f} "
+            f"CPU-seconds; load average at end {env.get('load_avg_end')})"
+            + (f"; {interrupted}: partial results" if interrupted else ""))
     finally:
         signal.signal(signal.SIGTERM, previous)
         progress.close()

@@ -22,6 +22,7 @@ SAMPLE_COLUMNS = [
     "repeat", "strategy", "batch_size", "status", "activation_peak_bytes", "step_time_s", "model_flops_per_s",
     "tokens_per_s", "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_stall_s", "cache_io_cpu_s",
     "activation_budget_bytes", "budget_met", "decision_tail_start", "warmup_steps_run", "load_avg_1min", "started_s",
+    "worker_wall_s", "worker_cpu_s",
 ]
 
 

@@ -197,8 +197,13 @@ def settled_alike(previous: tuple[int | None, int] | None, now: tuple[int | None
     return abs(a - b) <= 0.01 * max(a, b)
 
 
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
 def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), _cpu_s()
     malloc = configure_malloc(spec.get("mmap_threshold_bytes")) if spec["device"] == "cpu" else "n/a"
     import torch
 
@@ -310,6 +315,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         "num_threads": torch.get_num_threads(),
         "warmup_steps_run": warmup.steps,
         "worker_wall_s": time.perf_counter() - wall0,
+        "worker_cpu_s": _cpu_s() - cpu0,
     }
     if options is not None:
         row.update(offloader=options["offloader"], adaptive=options.get("adaptive", True), **decision)
