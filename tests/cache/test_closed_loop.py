@@ -56,6 +56,13 @@ def test_backs_off_in_proportion_to_bytes() -> None:
     assert loop.candidate == 0 and "keep every block" in loop.reason
 
 
+def test_back_off_bound_is_inclusive() -> None:
+    # Binary-exact numbers: 32 bytes cost 25%, 1/128 per byte; 6.25% allows exactly 8 bytes,
+    # which is block 0: the largest boundary within the overhead, bound included.
+    loop = OverheadLoop(0.0625, num_samples=1)
+    assert _measure(loop, loop.start(4, [8] * 5), {0: 1.0, 4: 1.25}, 2) == [0, 4, 1]
+
+
 def test_rechecks_periodically_and_on_drift() -> None:
     loop = OverheadLoop(0.05, num_samples=1, recheck_every=3, window=2, drift=1.25)
     _measure(loop, loop.start(4, [10] * 5), {0: 1.0, 4: 1.2, 1: 1.0}, 4)
