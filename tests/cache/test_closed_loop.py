@@ -60,7 +60,8 @@ def test_back_off_bound_is_inclusive() -> None:
     # Binary-exact numbers: 32 bytes cost 25%, 1/128 per byte; 6.25% allows exactly 8 bytes,
     # which is block 0: the largest boundary within the overhead, bound included.
     loop = OverheadLoop(0.0625, num_samples=1)
-    assert _measure(loop, loop.start(4, [8] * 5), {0: 1.0, 4: 1.25}, 2) == [0, 4, 1]
+    ran = _measure(loop, loop.start(4, [8] * 5), {0: 1.0, 4: 1.25, 1: 1.0625}, 4)
+    assert ran == [0, 4, 0, 1, 1] and loop.candidate == 1 and not loop.probing
 
 
 def test_rechecks_periodically_and_on_drift() -> None:
