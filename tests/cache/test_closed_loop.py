@@ -244,3 +244,20 @@ def test_no_keep_steps_without_memory_for_them() -> None:
     assert decision.reason.startswith("closed loop not measuring: a step keeping every block "
                                       "would hold"), decision.reason
     assert "1000 B is free" in decision.reason
+
+
+@pytest.mark.gpu
+def test_cuda_event_clock_reads_without_synchronising() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tba.cache.clock import CudaEventClock, default_clock
+
+    clock = default_clock(cuda=True)
+    assert isinstance(clock, CudaEventClock)
+    start = clock.mark()
+    torch.cuda._sleep(50_000_000)  # long enough that the end event is still pending below
+    end = clock.mark()
+    pending = clock.seconds(start, end)
+    clock.wait(end)
+    assert pending is None or pending > 0
+    assert clock.seconds(start, end) > 0
