@@ -144,3 +144,12 @@ def test_budget_config_is_validated() -> None:
     with pytest.raises(ValueError, match="offloader='none'"):
         tba.TensorCacheConfig(activation_budget_bytes=1 << 20, offloader="none")
     assert tba.TensorCacheConfig(activation_budget_bytes=1 << 20).activation_budget_bytes == 1 << 20
+
+
+def test_policy_docstring_examples_run() -> None:
+    import doctest
+
+    from tba.cache import policy
+
+    result = doctest.testmod(policy, raise_on_error=False, verbose=False)
+    assert result.attempted >= 3 and result.failed == 0
