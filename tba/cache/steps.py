@@ -174,6 +174,7 @@ class Steps:
             self._boundary.decision = dataclasses.replace(
                 decision, tail_start=loop.candidate, reason=f"{loop.reason}; {self._rule_reason}",
                 keep_step_s=loop.keep_s, offload_step_s=loop.offload_s,
+                step_overhead=loop.overhead,
             )
 
     def _decide(self, profile: StepProfile, step: CacheStats) -> None:

@@ -56,6 +56,18 @@ def test_backs_off_in_proportion_to_bytes() -> None:
     assert loop.candidate == 0 and "keep every block" in loop.reason
 
 
+def test_paired_ratios_cancel_a_slowdown_mid_check() -> None:
+    # The machine slows down 2x after the second step: the groups' medians (keep 1.0 s,
+    # offload 2.04 s) would read +104%, the adjacent pairs read +2%, +104%, +2%: median +2%.
+    loop = OverheadLoop(0.05, num_samples=3)
+    assert loop.start(4, [10] * 5) == 0
+    for ran_at, seconds in ((0, 1.0), (4, 1.02), (0, 1.0), (4, 2.04), (0, 2.0)):
+        loop.observe(ran_at, seconds)
+    assert loop.observe(4, 2.04) == 4 and not loop.probing
+    assert loop.overhead == pytest.approx(0.02)
+    assert (loop.keep_s, loop.offload_s) == (1.0, 2.04)
+
+
 def test_back_off_bound_is_inclusive() -> None:
     # Binary-exact numbers: 32 bytes cost 25%, 1/128 per byte; 6.25% allows exactly 8 bytes,
     # which is block 0: the largest boundary within the overhead, bound included.
@@ -203,7 +215,7 @@ def test_contention_reported_in_decision() -> None:
     assert decision.tail_start == 1 and cache.boundary.tail_start == 1, str(decision)
     assert decision.step_overhead == pytest.approx(0.03, abs=0.005)
     # (+3.1%: the embedding's input is offloaded too, outside the blocks)
-    assert re.search(r"\+3\.\d% <= max_step_overhead 5%", str(decision)), str(decision)
+    assert re.search(r"paired ratios \+3\.\d%\) <= max_step_overhead 5%", str(decision)), str(decision)
 
 
 def test_max_step_overhead_none_is_the_rule_alone() -> None:
