@@ -4,8 +4,10 @@ Note [Closed loop]: the TBA rule decides from write bandwidth against compute ti
 see that transfers also take CPU time, memory bandwidth or PCIe away from compute. After the
 rule has decided (boundary ``c``), the loop measures steps: steps that keep every block (the
 keep probe: nothing offloaded at all) alternate with steps that offload blocks ``[0, c)``, until
-each has ``num_samples`` samples; medians of interleaved samples cancel slow drift. If the
-offloading steps are within ``max_step_overhead`` of the keep steps, ``c`` stands. Otherwise the
+each has ``num_samples`` samples. The overhead is the median, over adjacent (keep, offload)
+pairs, of the offload step's time over the keep step's, minus 1: pairing cancels slow drift of
+the machine (other processes, clocks), the median a single disturbed step. If it is within
+``max_step_overhead``, ``c`` stands. Otherwise the
 overhead is taken as proportional to the bytes offloaded, the largest boundary whose bytes fit
 the allowed overhead is measured next, and so on down to keeping every block. Conditions are
 checked again (a new profile, the rule, then these measurements) every ``recheck_every`` steady
@@ -85,6 +87,7 @@ class OverheadLoop:
         self.probing = False
         self.keep_s: float | None = None  # medians of the last completed check
         self.offload_s: float | None = None
+        self.overhead: float | None = None  # median paired overhead of the last check
         self.reason = "not started"
         self._block_bytes: tuple[int, ...] = ()
         self._keep: list[float] = []
@@ -92,17 +95,12 @@ class OverheadLoop:
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
         self._num_steady = 0
 
-    @property
-    def overhead(self) -> float | None:
-        if self.keep_s is None or self.offload_s is None or self.keep_s <= 0:
-            return None
-        return self.offload_s / self.keep_s - 1.0
 
     def start(self, rule: int, block_bytes: Sequence[int]) -> int:
         """The rule allows blocks ``[0, rule)``: measure it; returns the next step's boundary."""
         self.rule = rule
         self._block_bytes = tuple(block_bytes)
-        self.keep_s = self.offload_s = None
+        self.keep_s = self.offload_s = self.overhead = None
         return self._probe(rule, "after the profile")
 
     def observe(self, ran_at: int, seconds: float) -> int | None:
@@ -161,19 +159,20 @@ class OverheadLoop:
 
     def _judge(self) -> int:
         keep_s, offload_s = _median(self._keep), _median(self._offload)
-        self.keep_s, self.offload_s = keep_s, offload_s
-        overhead = offload_s / keep_s - 1.0 if keep_s > 0 else 0.0
+        pairs = list(zip(self._keep, self._offload))
+        overhead = _median(o / k - 1.0 if k > 0 else 0.0 for k, o in pairs)
+        self.keep_s, self.offload_s, self.overhead = keep_s, offload_s, overhead
         c = self.candidate
         measured = (
             f"step {offload_s * 1e3:.1f} ms offloading blocks [0, {c}) vs {keep_s * 1e3:.1f} ms "
-            f"keeping every block (medians of {len(self._offload)} and {len(self._keep)}): "
-            f"{overhead:+.1%}"
+            f"keeping every block (medians of {len(self._offload)} and {len(self._keep)}; "
+            f"median of {len(pairs)} paired ratios {overhead:+.1%})"
         )
         if overhead <= self.max_overhead + 1e-9:  # inclusive, whatever the rounding
             return self._settle(c, f"closed loop: {measured} <= max_step_overhead "
                                    f"{self.max_overhead:.0%}")
-        per_byte = (offload_s - keep_s) / max(self._offloaded_bytes(c), 1)
-        allowed = self.max_overhead * keep_s
+        per_byte = overhead / max(self._offloaded_bytes(c), 1)  # fraction of keep per byte
+        allowed = self.max_overhead
         n = c - 1
         while n > 0 and self._offloaded_bytes(n) * per_byte > allowed:
             n -= 1
