@@ -6,8 +6,10 @@ rule has decided (boundary ``c``), the loop measures steps: steps that keep ever
 keep probe: nothing offloaded at all) alternate with steps that offload blocks ``[0, c)``, until
 each has ``num_samples`` samples. The overhead is the median, over adjacent (keep, offload)
 pairs, of the offload step's time over the keep step's, minus 1: pairing cancels slow drift of
-the machine (other processes, clocks), the median a single disturbed step. If it is within
-``max_step_overhead``, ``c`` stands. Otherwise the
+the machine (other processes, clocks), the median a single disturbed step. When the pairs
+disagree by more than twice ``max_step_overhead`` (a loaded machine), pairs are added, up to
+``MAX_SAMPLES``, before the loop judges. If the overhead is within ``max_step_overhead``, ``c``
+stands. Otherwise the
 overhead is taken as proportional to the bytes offloaded, the largest boundary whose bytes fit
 the allowed overhead is measured next, and so on down to keeping every block. Conditions are
 checked again (a new profile, the rule, then these measurements) every ``recheck_every`` steady
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 KEEP_MARGIN = 1.25  # free memory a keep step needs, over the bytes it keeps in addition
 RECHECK_EVERY_STEPS = 500  # steady steps between re-checks
 NUM_SAMPLES = 3  # step-time samples per boundary in a check
+MAX_SAMPLES = 9  # ... when the pairs disagree
 DRIFT_WINDOW = 5  # steady steps whose median is compared with the accepted time
 STEP_DRIFT = 1.25  # a re-check when that median moves by this factor
 
@@ -74,12 +77,14 @@ class OverheadLoop:
         max_overhead: float,
         *,
         num_samples: int = NUM_SAMPLES,
+        max_samples: int = MAX_SAMPLES,
         recheck_every: int | None = None,
         window: int = DRIFT_WINDOW,
         drift: float = STEP_DRIFT,
     ) -> None:
         self.max_overhead = max_overhead
         self.num_samples = num_samples
+        self.max_samples = max(max_samples, num_samples)
         self.recheck_every = RECHECK_EVERY_STEPS if recheck_every is None else recheck_every
         self.drift = drift
         self.rule = 0  # the boundary the rule allows
@@ -112,7 +117,10 @@ class OverheadLoop:
                 self._keep.append(seconds)
             elif ran_at == self.candidate:
                 self._offload.append(seconds)
-            if len(self._keep) >= self.num_samples and len(self._offload) >= self.num_samples:
+            num_pairs = min(len(self._keep), len(self._offload))
+            if num_pairs >= self.num_samples and (
+                num_pairs >= self.max_samples or not self._noisy()
+            ):
                 return self._judge()
             return 0 if len(self._keep) <= len(self._offload) else self.candidate
         if ran_at != self.candidate:
@@ -157,16 +165,24 @@ class OverheadLoop:
         logger.info("tba adaptive: %s", self.reason)
         return 0  # a keep step first
 
+    def _ratios(self) -> list[float]:
+        return [o / k - 1.0 if k > 0 else 0.0 for k, o in zip(self._keep, self._offload)]
+
+    def _noisy(self) -> bool:
+        ratios = self._ratios()
+        return max(ratios) - min(ratios) > 2 * self.max_overhead
+
     def _judge(self) -> int:
         keep_s, offload_s = _median(self._keep), _median(self._offload)
-        pairs = list(zip(self._keep, self._offload))
-        overhead = _median(o / k - 1.0 if k > 0 else 0.0 for k, o in pairs)
+        ratios = self._ratios()
+        overhead = _median(ratios)
         self.keep_s, self.offload_s, self.overhead = keep_s, offload_s, overhead
         c = self.candidate
         measured = (
             f"step {offload_s * 1e3:.1f} ms offloading blocks [0, {c}) vs {keep_s * 1e3:.1f} ms "
             f"keeping every block (medians of {len(self._offload)} and {len(self._keep)}; "
-            f"median of {len(pairs)} paired ratios {overhead:+.1%})"
+            f"median of {len(ratios)} paired ratios {overhead:+.1%}, spread "
+            f"{min(ratios):+.1%} to {max(ratios):+.1%})"
         )
         if overhead <= self.max_overhead + 1e-9:  # inclusive, whatever the rounding
             return self._settle(c, f"closed loop: {measured} <= max_step_overhead "
