@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--table-batch", type=int, default=16)
-    p.add_argument("--table-steps", type=int, default=30, help="steps of each strategy")
+    p.add_argument("--table-steps", type=int, default=40, help="steps of each strategy")
     p.add_argument("--table-warmup", type=int, default=2)
     p.add_argument("--steady", type=int, default=8, help="last steps that make the steady median")
     p.add_argument("--min-offload-bytes", type=int, default=None, help="default: tba's default")
