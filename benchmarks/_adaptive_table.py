@@ -5,10 +5,10 @@ GPT-2 (12 layers, hidden 256, 4 heads, seq 128, vocab 1024; transformers, eager 
 batch 16, AdamW; every strategy is a model of its own built from one seed, and one training
 step of each runs in turn (the order rotating every step) so machine load drifts over all of
 them alike. tba options are the defaults but ``offload_devices=("cpu",)``. Reported per
-strategy: the median step time (forward, backward, optimizer) over the steady steps (the last
-``--steady`` steps; for adaptive those come after its profile and closed-loop measurements) and
-over every step after warm-up (what adaptive's measuring steps cost), ratios to keep, bytes
-offloaded per steady step (and adaptive's share of what fixed host offloads, which is what the
+strategy: the median step time (forward, backward, optimizer) over the steady steps (of the
+last ``--steady`` steps, for adaptive those at its final boundary) and over every step after
+warm-up (with what adaptive's profile and keep steps cost), ratios to keep, bytes offloaded per
+steady step (and adaptive's share of what fixed host offloads, which is what the
 adaptive policy offloaded before the closed loop), the peak of saved activations held in
 memory, tba's I/O thread CPU time when the cache reports it, and the load average around the
 run (the machine is shared).
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--table-batch", type=int, default=16)
-    p.add_argument("--table-steps", type=int, default=30, help="steps of each strategy")
+    p.add_argument("--table-steps", type=int, default=40, help="steps of each strategy")
     p.add_argument("--table-warmup", type=int, default=2)
     p.add_argument("--steady", type=int, default=8, help="last steps that make the steady median")
     p.add_argument("--min-offload-bytes", type=int, default=None, help="default: tba's default")
@@ -99,15 +99,20 @@ def _run_threads(args: argparse.Namespace, threads: int, modes: list[str]) -> di
     rows = {}
     for mode, run in runs.items():
         times, stats = run["times"], run["stats"]
-        steady = slice(len(times) - args.steady, None)
         cache = run["cache"]
         decision = cache.adaptive_decision
         history = list(cache._steps.history)
-        steady_stats = stats[steady]
+        # Steady: the last --steady steps; for adaptive only those at its final boundary (its
+        # keep and profile steps of a re-check are counted in the all-steps figures).
+        steady = [i for i in range(len(times) - args.steady, len(times))
+                  if decision is None or "adaptive" not in mode
+                  or history[i][2] == decision.tail_start]
+        steady_stats = [stats[i] for i in steady]
         rows[mode] = {
             "mode": mode,
             "options": {k: v for k, v in MODES[mode].items()},
-            "median_step_s": _median(times[steady]),
+            "num_steady_steps": len(steady),
+            "median_step_s": _median([times[i] for i in steady]),
             "median_step_after_warmup_s": _median(times[args.table_warmup:]),
             "mean_step_after_warmup_s": statistics.fmean(times[args.table_warmup:]),
             "step_times_s": times,
@@ -138,7 +143,7 @@ def _print(result: dict) -> None:
             share = f" ({row['offloaded_bytes_per_step'] / fixed['offloaded_bytes_per_step']:.0%} of fixed-host)"
         io = (f"  io cpu {row['io_cpu_s_per_step']:.2f} s/step"
               if row["io_cpu_s_per_step"] is not None else "")
-        print(f"{mode:>12}: steady step {row['median_step_s'] * 1e3:7.0f} ms ({ratio}), all steps "
+        print(f"{mode:>12}: steady step ({row['num_steady_steps']}) {row['median_step_s'] * 1e3:7.0f} ms ({ratio}), all steps "
               f"after warm-up {row['median_step_after_warmup_s'] * 1e3:7.0f} ms ({ratio_all}); "
               f"offloaded {row['offloaded_bytes_per_step'] / 2**20:6.0f} MiB/step{share}; peak "
               f"resident {row['peak_resident_bytes'] / 2**20:6.0f} MiB; stall "

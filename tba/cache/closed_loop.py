@@ -4,8 +4,12 @@ Note [Closed loop]: the TBA rule decides from write bandwidth against compute ti
 see that transfers also take CPU time, memory bandwidth or PCIe away from compute. After the
 rule has decided (boundary ``c``), the loop measures steps: steps that keep every block (the
 keep probe: nothing offloaded at all) alternate with steps that offload blocks ``[0, c)``, until
-each has ``num_samples`` samples; medians of interleaved samples cancel slow drift. If the
-offloading steps are within ``max_step_overhead`` of the keep steps, ``c`` stands. Otherwise the
+each has ``num_samples`` samples. The overhead is the median, over adjacent (keep, offload)
+pairs, of the offload step's time over the keep step's, minus 1: pairing cancels slow drift of
+the machine (other processes, clocks), the median a single disturbed step. When the pairs
+disagree by more than twice ``max_step_overhead`` (a loaded machine), pairs are added, up to
+``MAX_SAMPLES``, before the loop judges. If the overhead is within ``max_step_overhead``, ``c``
+stands. Otherwise the
 overhead is taken as proportional to the bytes offloaded, the largest boundary whose bytes fit
 the allowed overhead is measured next, and so on down to keeping every block. Conditions are
 checked again (a new profile, the rule, then these measurements) every ``recheck_every`` steady
@@ -35,6 +39,7 @@ logger = logging.getLogger(__name__)
 KEEP_MARGIN = 1.25  # free memory a keep step needs, over the bytes it keeps in addition
 RECHECK_EVERY_STEPS = 500  # steady steps between re-checks
 NUM_SAMPLES = 3  # step-time samples per boundary in a check
+MAX_SAMPLES = 9  # ... when the pairs disagree
 DRIFT_WINDOW = 5  # steady steps whose median is compared with the accepted time
 STEP_DRIFT = 1.25  # a re-check when that median moves by this factor
 
@@ -72,12 +77,14 @@ class OverheadLoop:
         max_overhead: float,
         *,
         num_samples: int = NUM_SAMPLES,
+        max_samples: int = MAX_SAMPLES,
         recheck_every: int | None = None,
         window: int = DRIFT_WINDOW,
         drift: float = STEP_DRIFT,
     ) -> None:
         self.max_overhead = max_overhead
         self.num_samples = num_samples
+        self.max_samples = max(max_samples, num_samples)
         self.recheck_every = RECHECK_EVERY_STEPS if recheck_every is None else recheck_every
         self.drift = drift
         self.rule = 0  # the boundary the rule allows
@@ -85,6 +92,7 @@ class OverheadLoop:
         self.probing = False
         self.keep_s: float | None = None  # medians of the last completed check
         self.offload_s: float | None = None
+        self.overhead: float | None = None  # median paired overhead of the last check
         self.reason = "not started"
         self._block_bytes: tuple[int, ...] = ()
         self._keep: list[float] = []
@@ -92,17 +100,12 @@ class OverheadLoop:
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
         self._num_steady = 0
 
-    @property
-    def overhead(self) -> float | None:
-        if self.keep_s is None or self.offload_s is None or self.keep_s <= 0:
-            return None
-        return self.offload_s / self.keep_s - 1.0
 
     def start(self, rule: int, block_bytes: Sequence[int]) -> int:
         """The rule allows blocks ``[0, rule)``: measure it; returns the next step's boundary."""
         self.rule = rule
         self._block_bytes = tuple(block_bytes)
-        self.keep_s = self.offload_s = None
+        self.keep_s = self.offload_s = self.overhead = None
         return self._probe(rule, "after the profile")
 
     def observe(self, ran_at: int, seconds: float) -> int | None:
@@ -114,7 +117,10 @@ class OverheadLoop:
                 self._keep.append(seconds)
             elif ran_at == self.candidate:
                 self._offload.append(seconds)
-            if len(self._keep) >= self.num_samples and len(self._offload) >= self.num_samples:
+            num_pairs = min(len(self._keep), len(self._offload))
+            if num_pairs >= self.num_samples and (
+                num_pairs >= self.max_samples or not self._noisy()
+            ):
                 return self._judge()
             return 0 if len(self._keep) <= len(self._offload) else self.candidate
         if ran_at != self.candidate:
@@ -159,21 +165,30 @@ class OverheadLoop:
         logger.info("tba adaptive: %s", self.reason)
         return 0  # a keep step first
 
+    def _ratios(self) -> list[float]:
+        return [o / k - 1.0 if k > 0 else 0.0 for k, o in zip(self._keep, self._offload)]
+
+    def _noisy(self) -> bool:
+        ratios = self._ratios()
+        return max(ratios) - min(ratios) > 2 * self.max_overhead
+
     def _judge(self) -> int:
         keep_s, offload_s = _median(self._keep), _median(self._offload)
-        self.keep_s, self.offload_s = keep_s, offload_s
-        overhead = offload_s / keep_s - 1.0 if keep_s > 0 else 0.0
+        ratios = self._ratios()
+        overhead = _median(ratios)
+        self.keep_s, self.offload_s, self.overhead = keep_s, offload_s, overhead
         c = self.candidate
         measured = (
             f"step {offload_s * 1e3:.1f} ms offloading blocks [0, {c}) vs {keep_s * 1e3:.1f} ms "
-            f"keeping every block (medians of {len(self._offload)} and {len(self._keep)}): "
-            f"{overhead:+.1%}"
+            f"keeping every block (medians of {len(self._offload)} and {len(self._keep)}; "
+            f"median of {len(ratios)} paired ratios {overhead:+.1%}, spread "
+            f"{min(ratios):+.1%} to {max(ratios):+.1%})"
         )
         if overhead <= self.max_overhead + 1e-9:  # inclusive, whatever the rounding
             return self._settle(c, f"closed loop: {measured} <= max_step_overhead "
                                    f"{self.max_overhead:.0%}")
-        per_byte = (offload_s - keep_s) / max(self._offloaded_bytes(c), 1)
-        allowed = self.max_overhead * keep_s
+        per_byte = overhead / max(self._offloaded_bytes(c), 1)  # fraction of keep per byte
+        allowed = self.max_overhead
         n = c - 1
         while n > 0 and self._offloaded_bytes(n) * per_byte > allowed:
             n -= 1

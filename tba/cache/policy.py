@@ -53,6 +53,8 @@ class BoundaryDecision:
         offload_step_s: closed loop: median step time offloading blocks ``[0, tail_start)``
             (or the last boundary measured), last check.
         max_step_overhead: closed loop: the allowed overhead over keep.
+        step_overhead: closed loop: the measured overhead of the last check (the median of
+            paired offload/keep step-time ratios, minus 1).
         profiled_at_step: the step number the profile was taken at.
     """
 
@@ -71,13 +73,7 @@ class BoundaryDecision:
     offload_step_s: float | None = None
     max_step_overhead: float | None = None
     profiled_at_step: int | None = None
-
-    @property
-    def step_overhead(self) -> float | None:
-        """Closed loop: measured step time offloading over keeping every block, minus 1."""
-        if self.keep_step_s is None or self.offload_step_s is None or self.keep_step_s <= 0:
-            return None
-        return self.offload_step_s / self.keep_step_s - 1.0
+    step_overhead: float | None = None
 
     def __str__(self) -> str:
         """One readable line (``summary()`` prints it)."""
@@ -95,7 +91,10 @@ class BoundaryDecision:
             )
         if self.rule_tail_start is not None:
             text += f", rule allows blocks [0, {self.rule_tail_start})"
-        if self.keep_step_s is not None and self.offload_step_s is not None:
+        if (
+            self.keep_step_s is not None and self.offload_step_s is not None
+            and self.step_overhead is not None
+        ):
             text += (
                 f", step keep {self.keep_step_s * 1e3:.1f} ms vs offload "
                 f"{self.offload_step_s * 1e3:.1f} ms ({self.step_overhead:+.1%}"

@@ -174,6 +174,7 @@ class Steps:
             self._boundary.decision = dataclasses.replace(
                 decision, tail_start=loop.candidate, reason=f"{loop.reason}; {self._rule_reason}",
                 keep_step_s=loop.keep_s, offload_step_s=loop.offload_s,
+                step_overhead=loop.overhead,
             )
 
     def _decide(self, profile: StepProfile, step: CacheStats) -> None:
@@ -239,10 +240,14 @@ class Steps:
             "tba budget: step %d peaked at %d bytes over the budget of %d with blocks [0, %d) "
             "offloaded; offloading more", self._num_done, step.peak_resident_bytes, budget, ran_at,
         )
+        profiled_at = decision.profiled_at_step
         decision = self._boundary.decide_budget(
             decision.block_s, decision.block_bytes, decision.forward_s,
             decision.write_bytes_per_s, budget_bytes=budget,
             peak_bytes=step.peak_resident_bytes, measured_at=ran_at, min_tail_start=ran_at + 1,
+        )
+        decision = self._boundary.decision = dataclasses.replace(
+            decision, profiled_at_step=profiled_at
         )
         self._warn_if_over_budget(decision)
 

@@ -136,13 +136,16 @@ class TensorCache:
 
     @property
     def adaptive_decision(self) -> BoundaryDecision | None:
-        """The last adaptive decision (which blocks are offloaded, and the measurements it
-        came from), or None before the profiled step."""
+        """The last decision of the adaptive policy or of budget mode: which blocks are
+        offloaded, the measurements it came from (the profile; the closed loop's keep and
+        offload step times and overhead; the budget's measured and estimated peaks) and the
+        reason, or None before the profiled step (docs/policy.md)."""
         return self.boundary.decision
 
     def summary(self, last: int = 20) -> str:
         """A readable table of the last ``last`` steps: bytes offloaded, forwarded,
-        deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded."""
+        deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded,
+        followed by the last decision (``adaptive_decision``) with its measurements and reason."""
         with self._stats_lock:
             rows = list(self._steps.history)[-last:]
         return format_summary(rows, self.num_blocks, self.boundary.decision,

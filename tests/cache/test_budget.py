@@ -109,6 +109,7 @@ def test_overshooting_step_moves_the_boundary() -> None:
         peaks = [s.peak_resident_bytes for _, s, _ in cache._steps.history]
     assert tails[2] == 0 and peaks[2] > budget, (tails, peaks)  # the optimistic estimate
     assert tails[3:] == [3, 3, 3], (tails, peaks)  # corrected from the measured peak
+    assert cache.adaptive_decision.profiled_at_step == 2
     assert all(p <= budget for p in peaks[3:]), (peaks, budget)
 
 
@@ -143,3 +144,12 @@ def test_budget_config_is_validated() -> None:
     with pytest.raises(ValueError, match="offloader='none'"):
         tba.TensorCacheConfig(activation_budget_bytes=1 << 20, offloader="none")
     assert tba.TensorCacheConfig(activation_budget_bytes=1 << 20).activation_budget_bytes == 1 << 20
+
+
+def test_policy_docstring_examples_run() -> None:
+    import doctest
+
+    from tba.cache import policy
+
+    result = doctest.testmod(policy, raise_on_error=False, verbose=False)
+    assert result.attempted >= 3 and result.failed == 0

@@ -56,6 +56,45 @@ def test_backs_off_in_proportion_to_bytes() -> None:
     assert loop.candidate == 0 and "keep every block" in loop.reason
 
 
+def test_paired_ratios_cancel_a_slowdown_mid_check() -> None:
+    # The machine slows down 2x after the second step: the groups' medians (keep 1.0 s,
+    # offload 2.04 s) would read +104%, the adjacent pairs read +2%, +104%, +2%: median +2%.
+    loop = OverheadLoop(0.05, num_samples=3, max_samples=3)
+    assert loop.start(4, [10] * 5) == 0
+    for ran_at, seconds in ((0, 1.0), (4, 1.02), (0, 1.0), (4, 2.04), (0, 2.0)):
+        loop.observe(ran_at, seconds)
+    assert loop.observe(4, 2.04) == 4 and not loop.probing
+    assert loop.overhead == pytest.approx(0.02)
+    assert (loop.keep_s, loop.offload_s) == (1.0, 2.04)
+
+
+def test_disagreeing_pairs_get_more_samples() -> None:
+    # Pairs reading +20%, -10%, +2% disagree by 30% > 2 x 5%: more pairs, up to 5 here; the
+    # fourth and fifth agree with the third, and the median of all five (+2%) stands.
+    loop = OverheadLoop(0.05, num_samples=3, max_samples=5)
+    at = loop.start(4, [10] * 5)
+    offload = iter([1.2, 0.9, 1.02, 1.02, 1.02])
+    ran = []
+    while loop.probing:
+        ran.append(at)
+        at = loop.observe(at, 1.0 if at == 0 else next(offload))
+    assert ran == [0, 4] * 5 and at == 4
+    assert loop.overhead == pytest.approx(0.02)
+    assert "median of 5 paired ratios +2.0%, spread -10.0% to +20.0%" in loop.reason
+    # Pairs that agree: judged after 3.
+    loop = OverheadLoop(0.05, num_samples=3, max_samples=5)
+    assert _measure(loop, loop.start(4, [10] * 5), {0: 1.0, 4: 1.02}, 6)[-1] == 4
+    assert not loop.probing and "median of 3 paired ratios" in loop.reason
+
+
+def test_back_off_bound_is_inclusive() -> None:
+    # Binary-exact numbers: 32 bytes cost 25%, 1/128 per byte; 6.25% allows exactly 8 bytes,
+    # which is block 0: the largest boundary within the overhead, bound included.
+    loop = OverheadLoop(0.0625, num_samples=1)
+    ran = _measure(loop, loop.start(4, [8] * 5), {0: 1.0, 4: 1.25, 1: 1.0625}, 4)
+    assert ran == [0, 4, 0, 1, 1] and loop.candidate == 1 and not loop.probing
+
+
 def test_rechecks_periodically_and_on_drift() -> None:
     loop = OverheadLoop(0.05, num_samples=1, recheck_every=3, window=2, drift=1.25)
     _measure(loop, loop.start(4, [10] * 5), {0: 1.0, 4: 1.2, 1: 1.0}, 4)
@@ -195,7 +234,7 @@ def test_contention_reported_in_decision() -> None:
     assert decision.tail_start == 1 and cache.boundary.tail_start == 1, str(decision)
     assert decision.step_overhead == pytest.approx(0.03, abs=0.005)
     # (+3.1%: the embedding's input is offloaded too, outside the blocks)
-    assert re.search(r"\+3\.\d% <= max_step_overhead 5%", str(decision)), str(decision)
+    assert re.search(r"paired ratios \+3\.\d%, spread .*\) <= max_step_overhead 5%", str(decision)), str(decision)
 
 
 def test_max_step_overhead_none_is_the_rule_alone() -> None:
@@ -236,3 +275,20 @@ def test_no_keep_steps_without_memory_for_them() -> None:
     assert decision.reason.startswith("closed loop not measuring: a step keeping every block "
                                       "would hold"), decision.reason
     assert "1000 B is free" in decision.reason
+
+
+@pytest.mark.gpu
+def test_cuda_event_clock_reads_without_synchronising() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tba.cache.clock import CudaEventClock, default_clock
+
+    clock = default_clock(cuda=True)
+    assert isinstance(clock, CudaEventClock)
+    start = clock.mark()
+    torch.cuda._sleep(50_000_000)  # long enough that the end event is still pending below
+    end = clock.mark()
+    pending = clock.seconds(start, end)
+    clock.wait(end)
+    assert pending is None or pending > 0
+    assert clock.seconds(start, end) > 0
