@@ -26,7 +26,7 @@ STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+off
 _OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
 POLICY_STRATEGIES = ("adaptive", "budget")
 # Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds.
-_MAX_EXTRA_WARMUP = 18
+_MAX_EXTRA_WARMUP = 40
 
 
 def cpu_name() -> str:

@@ -311,5 +311,5 @@ def test_warmup_waits_for_the_policy_to_settle():
     assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="offload-ssd").steps == 1  # not a policy
     assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="keep", adaptive=True).steps == 1
     assert _warmup_steps([(None, 10)] + [(5, 0), (5, 9), (5, 9)], strategy="offload-ssd", adaptive=True).steps == 4
-    moving = _warmup_steps([(None, 10)] + [(4, 0), (4, 10)] * 20)
+    moving = _warmup_steps([(None, 10)] + [(4, 0), (4, 10)] * _rok_worker._MAX_EXTRA_WARMUP)
     assert moving.steps == 3 + _rok_worker._MAX_EXTRA_WARMUP and "still moving" in moving.unsettled
