@@ -7,6 +7,9 @@ boundary keeps the later blocks in memory so the step stays fast.
     python benchmarks/adaptive_offload.py --write-mib-s 0            # unthrottled host pool
     python benchmarks/adaptive_offload.py --device cuda --width 2048 --batch 8192 --write-mib-s 0 \
         --max-inflight-mib 4096                                      # what gpu_suite.sh runs
+    python benchmarks/adaptive_offload.py --table --out benchmarks/results/cpu/adaptive_table.json
+        # GPT-2 12 x 256, batch 16, seq 128 at 1 and 2 torch threads: keep vs adaptive (closed
+        # loop) vs fixed host and ssd, interleaved (benchmarks/_adaptive_table.py)
 """
 
 from __future__ import annotations
@@ -100,7 +103,14 @@ def main(argv: list[str] | None = None) -> dict:
                    help="max_inflight_bytes: how far stores may fall behind before forward waits")
     p.add_argument("--read-mib-s", type=float, default=2000.0)
     p.add_argument("--out", default="adaptive_offload.json")
+    p.add_argument("--table", action="store_true",
+                   help="run the GPT-2 table workload instead (options below)")
+    import _adaptive_table
+
+    _adaptive_table.add_arguments(p)
     args = p.parse_args(argv)
+    if args.table:
+        return _adaptive_table.main(args)
     env = describe(args.device)
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     rows = [run(args, mode) for mode in ("keep", "fixed", "adaptive")]

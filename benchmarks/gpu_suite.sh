@@ -207,7 +207,8 @@ if ((HAS_CUDA)) && ((!TINY)); then
     ssd_strategy=",offload-ssd"
     [[ -n "$SSD_REFUSED" ]] && ssd_strategy=""
     stage overhead "$ovh_s" "$PY" benchmarks/rok_curve.py --device cuda --batch-sizes 8 \
-        --strategies "keep,offload-host$ssd_strategy" --warmup 3 --steps 8 --out "$RESULTS/overhead" \
+        --strategies "keep,offload-host$ssd_strategy" --adaptive --repeats 2 --warmup 3 --steps 8 \
+        --out "$RESULTS/overhead" \
         --time-budget-s $((ovh_s > 70 ? ovh_s - 40 : 30)) --timeout-s 60
 elif ((HAS_CUDA)); then
     skip overhead "SUITE_TINY=1"

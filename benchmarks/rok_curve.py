@@ -3,18 +3,22 @@
 
 Command lines (from the repository root, venv active):
 
-    # Default CPU sweep (GPT-2, 12 layers x 128 wide, seq 128; batches 2,4,8,16; < 5 min on 2 cores):
+    # Default CPU sweep (GPT-2, 12 layers x 128 wide, seq 128; batches 1,2,4,8; 7 strategies x 3
+    # interleaved passes; < 5 min on 2 quiet cores):
     python benchmarks/rok_curve.py
-    # -> out/rok/rok_curve.{csv,json,png}
+    # -> out/rok/rok_curve.{csv,json,png}, out/rok/rok_samples.csv, out/rok/logs/sweep.log
+
+    # The committed CPU reference run:
+    python benchmarks/rok_curve.py --out benchmarks/results/cpu_rok_curve
 
     # GPU sweep, GPT sized to the GPU (what benchmarks/gpu_suite.sh runs):
     python benchmarks/rok_curve.py --device cuda --out results/rok_cuda --time-budget-s 300
 
-    # Overhead at a fixed batch (relative throughput vs keep is the overhead):
+    # Overhead at a fixed batch (step time vs keep, per pass, is the overhead):
     python benchmarks/rok_curve.py --device cuda --batch-sizes 8 --strategies keep,offload-host,offload-ssd \
-        --steps 10 --out results/overhead
+        --steps 10 --repeats 5 --out results/overhead
 
-    # Smoke run (tests/benchmarks/test_rok_curve.py): tiny model, 2 batches, 1+2 steps:
+    # Smoke run (tests/benchmarks/test_rok_curve.py): tiny model, 2 batches, 2 passes of 1+2 steps:
     python benchmarks/rok_curve.py --quick --out /tmp/rok
 
 The sweep itself lives in the package (``tba.rok``; ``tba rok`` is the same command once tba

@@ -53,7 +53,20 @@ class TensorCacheConfig:
             hide behind compute (see the README). ``False`` offloads every block but the
             kept tail.
         profile_step: which completed step (1-based, after warm-up) is profiled when
-            ``adaptive`` is on.
+            ``adaptive`` is on or a budget is set.
+        max_step_overhead: closed loop for ``adaptive``: after the rule has decided, steps
+            offloading its blocks are timed against steps keeping every block, and tba
+            offloads only as many leading blocks as keep the step within this fraction of
+            keep (0.05: 5% slower at most); checked again periodically and when the step time
+            drifts (docs/policy.md). The keep steps hold every activation in memory for one
+            step each. ``None``: the rule alone, no measured steps.
+        activation_budget_bytes: budget mode: the most device memory the cache may hold for
+            saved activations at the step's peak (``stats().peak_resident_bytes``). The
+            profiled step measures the peak with every block offloaded, then tba offloads the
+            fewest leading blocks (the cheapest: their transfers are best hidden) whose
+            estimated peak fits, and offloads more if a step still peaks above it; it warns,
+            with numbers, when offloading every block but the kept tail does not fit. It
+            replaces ``adaptive``'s rule. ``None``: no budget.
         on_io_error: ``"raise"`` raises :class:`tba.OffloadIOError` in the training step;
             ``"keep"`` keeps the tensor in memory, warns once and carries on.
         host_budget_bytes: with ``offloader="host+ssd"`` (and only then; required there): most
@@ -88,6 +101,8 @@ class TensorCacheConfig:
     block_modules: tuple[nn.Module | str | type[nn.Module], ...] | None = None
     adaptive: bool = True
     profile_step: int = 2
+    max_step_overhead: float | None = 0.05
+    activation_budget_bytes: int | None = None
     on_io_error: Literal["raise", "keep"] = "raise"
     host_budget_bytes: int | None = None
     ssd_dirs: tuple[str, ...] | None = None
@@ -148,6 +163,26 @@ class TensorCacheConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
                 out.append(f"{name}={value!r}: expected an integer >= {minimum}")
+        overhead = self.max_step_overhead
+        if overhead is not None and (
+            isinstance(overhead, bool) or not isinstance(overhead, (int, float))
+            or not 0 <= overhead < 10 or overhead != overhead
+        ):
+            out.append(
+                f"max_step_overhead={overhead!r}: expected None or a fraction >= 0 and < 10 "
+                "(0.05: offloading may make the step at most 5% slower than keeping everything)"
+            )
+        budget = self.activation_budget_bytes
+        if budget is not None and (not _is_int(budget) or budget < 1):
+            out.append(
+                f"activation_budget_bytes={budget!r}: expected None or an integer number of "
+                "bytes >= 1"
+            )
+        elif budget is not None and self.offloader == "none":
+            out.append(
+                f"activation_budget_bytes={budget!r} with offloader='none': a budget needs an "
+                "offloader to send activations to (offloader='host' or 'ssd')"
+            )
         for name in ("skip_modules", "block_modules"):
             value = getattr(self, name)
             if value is None and name == "block_modules":

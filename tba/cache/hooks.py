@@ -244,6 +244,7 @@ class CacheHooks:
         else:
             key, keep_tail = (-1, next(self._auto_keys)), True
         self._records[key] = record = Record(key, keep_tail)
+        record.in_tail = self.boundary.keep_all  # Note [Closed loop]: keep steps offload nothing
         state.forward.begin(record)
 
     def _unit_pre(self, unit: Unit, module: nn.Module, args: Any) -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from tba.cache.clock import StepClock
 
 __all__ = ["StepProfile"]
 
@@ -15,13 +14,13 @@ class StepProfile:
     """Times each block's forward and the whole forward, and sums each block's offloadable
     bytes, over the forward passes of one step.
 
-    On CUDA the times come from CUDA events on the current stream (read once the step is
-    over); on other devices from the wall clock at the hooks, which are synchronous points.
+    Times come from ``clock`` (CUDA events on the current stream, read once the step is over;
+    on other devices the wall clock at the hooks, which are synchronous points).
     """
 
-    def __init__(self, num_blocks: int, cuda: bool, waited_s: Callable[[], float]) -> None:
+    def __init__(self, num_blocks: int, clock: StepClock, waited_s: Callable[[], float]) -> None:
         self.num_blocks = num_blocks
-        self._cuda = cuda
+        self._clock = clock
         # Time forward spent blocked on backpressure is not compute that hides transfers:
         # it is taken out of every span it falls in.
         self._waited_s = waited_s
@@ -29,22 +28,15 @@ class StepProfile:
         self._spans: list[tuple[int | None, Any, Any, float]] = []  # (block|None, start, end, waited)
         self._open: dict[int | None, list[Any]] = {}
 
-    def _mark(self) -> Any:
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def start(self, block: int | None) -> None:
         """Start timing ``block`` (None: the whole forward)."""
-        self._open.setdefault(block, []).append((self._mark(), self._waited_s()))
+        self._open.setdefault(block, []).append((self._clock.mark(), self._waited_s()))
 
     def end(self, block: int | None) -> None:
         starts = self._open.get(block)
         if starts:
             start, waited = starts.pop()
-            self._spans.append((block, start, self._mark(), self._waited_s() - waited))
+            self._spans.append((block, start, self._clock.mark(), self._waited_s() - waited))
 
     def add_bytes(self, block: int, num_bytes: int) -> None:
         self.block_bytes[block] += num_bytes
@@ -53,11 +45,10 @@ class StepProfile:
         """Per-block forward seconds and total forward seconds."""
         block_s = [0.0] * self.num_blocks
         forward_s = 0.0
-        if self._cuda and self._spans:
-            self._spans[-1][2].synchronize()
+        if self._spans:
+            self._clock.wait(self._spans[-1][2])
         for block, start, end, waited in self._spans:
-            seconds = start.elapsed_time(end) / 1e3 if self._cuda else end - start
-            seconds = max(0.0, seconds - waited)
+            seconds = max(0.0, (self._clock.seconds(start, end) or 0.0) - waited)
             if block is None:
                 forward_s += seconds
             else:

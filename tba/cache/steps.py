@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from tba.cache.policy import Boundary
+from tba.cache.clock import StepClock, default_clock
+from tba.cache.closed_loop import KEEP_MARGIN, OverheadLoop, free_memory_bytes
+from tba.cache.policy import Boundary, BoundaryDecision
 from tba.cache.profile import StepProfile
-from tba.cache.stats import CacheStats
+from tba.cache.stats import CacheStats, format_bytes
 from tba.config import TensorCacheConfig
 from tba.offloaders.base import Offloader
 
@@ -28,7 +33,11 @@ class Steps:
     A step opens at a forward of the model and finishes (``finish``, called by the cache) when
     everything it saved was released. With ``adaptive``, the step ``profile_step`` is profiled
     and the boundary decided from it; a change of input shapes, of forwards per step, or of the
-    measured write bandwidth schedules a new profile. All methods run under the cache's lock.
+    measured write bandwidth schedules a new profile; with ``max_step_overhead`` the rule's
+    boundary is then checked against measured step time (Note [Closed loop]). With
+    ``activation_budget_bytes`` the
+    profiled step decides the budget boundary instead (Note [Budget mode]), and every later step
+    whose measured peak exceeds the budget moves it. All methods run under the cache's lock.
     """
 
     def __init__(
@@ -53,27 +62,46 @@ class Steps:
         self.history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
         self.profile: StepProfile | None = None
         self._num_done = 0
+        self._budget = config.activation_budget_bytes
+        self._deciding = config.adaptive or self._budget is not None
+        self._warned_budget = False
+        self._rule_reason = ""
+        self._loop_on = False  # the loop measures since the last profile
         # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
-        self._profile_due = config.profile_step if config.adaptive and offloader else None
+        self._profile_due = config.profile_step if self._deciding and offloader else None
         self._signature: tuple | None = None
         self._num_forwards = 0  # forwards (microbatches) in the running step
         self._forwards_per_step: int | None = None
         self._reserved = False
+        # Note [Closed loop]: step times from ``clock`` (set before the first forward to
+        # inject one; the default is chosen then, once the model's device is known).
+        self.clock: StepClock | None = None
+        self.free_bytes: Callable[[], int] | None = None  # memory a keep step may use
+        self._step_start: Any = None
+        self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque(maxlen=64)
+        overhead = config.max_step_overhead
+        self.loop = (
+            OverheadLoop(overhead)
+            if config.adaptive and overhead is not None and self._budget is None and offloader
+            else None
+        )
 
     def begin_forward(self, args: Any) -> None:
         """A forward of the model starts: open a step if none is, profile it if due."""
         if not self.open:
             self.open = True
             self.backward_seen = False
+            if self.clock is None:
+                self.clock = default_clock(self._on_cuda())
+            self._step_start = self.clock.mark() if self.loop is not None else None
         self._num_forwards += 1
-        if self._config.adaptive:
+        if self._deciding:
             self._check_signature(args)
         due = self._profile_due
         if self.profile is None and due is not None and self._num_done + 1 >= due:
-            self._boundary.tail_start = self._boundary.default_tail_start
-            self.profile = StepProfile(
-                self._boundary.num_blocks, self._on_cuda(), self._waited_s
-            )
+            self._boundary.set(self._boundary.default_tail_start)
+            assert self.clock is not None
+            self.profile = StepProfile(self._boundary.num_blocks, self.clock, self._waited_s)
         if self.profile is not None:
             self.profile.start(None)
 
@@ -89,7 +117,11 @@ class Steps:
         self.last = step
         self.total = self.total.merged(step)
         self._num_done += 1
-        self.history.append((self._num_done, step, self._boundary.tail_start))
+        ran_at = self._boundary.tail_start
+        self.history.append((self._num_done, step, ran_at))
+        if self._step_start is not None and self.clock is not None:
+            self._timed.append((ran_at, self._step_start, self.clock.mark()))
+            self._step_start = None
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
         if self._forwards_per_step not in (None, forwards) and decision is not None:
@@ -98,11 +130,16 @@ class Steps:
         if self.profile is not None:
             profile, self.profile = self.profile, None
             self._decide(profile, step)
-        elif decision is not None and step.write_bytes_per_s > 0:
+        elif decision is not None and self._profile_due is None:
             ratio = step.write_bytes_per_s / max(decision.write_bytes_per_s, 1e-9)
-            if not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
+            if self._budget is not None:
+                # The budget needs no bandwidth; a step at another boundary writes other sizes.
+                self._check_budget(decision, step, ran_at)
+            elif self._loop_on:
+                self._feed_loop(decision)  # step time replaces the bandwidth trigger
+            elif step.write_bytes_per_s > 0 and not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
                 self._reprofile(f"write bandwidth moved {ratio:.2f}x")
-        reserve_after = self._config.profile_step if self._config.adaptive else 1
+        reserve_after = self._config.profile_step if self._deciding else 1
         peak_held = peak_held_bytes
         if not self._reserved and self._num_done >= reserve_after and self._offloader and peak_held:
             self._reserved = True
@@ -113,6 +150,32 @@ class Steps:
     def _reprofile(self, why: str) -> None:
         logger.info("tba adaptive: %s, re-profiling", why)
         self._profile_due = self._num_done + 1
+        self._timed.clear()
+
+    def _feed_loop(self, decision: BoundaryDecision) -> None:
+        """Note [Closed loop]: hand the loop the step times that are ready (on CUDA, those
+        whose end event the GPU has passed) and apply the boundary it asks for."""
+        loop, clock, timed = self.loop, self.clock, self._timed
+        assert loop is not None and clock is not None
+        changed = False
+        while timed:
+            ran_at, start, end = timed[0]
+            seconds = clock.seconds(start, end)
+            if seconds is None:
+                break
+            timed.popleft()
+            changed = True
+            tail_start = loop.observe(ran_at, seconds)
+            if tail_start is None:
+                self._reprofile(loop.reason)
+                break
+            self._boundary.set(tail_start, keep_all=True)
+        if changed:
+            self._boundary.decision = dataclasses.replace(
+                decision, tail_start=loop.candidate, reason=f"{loop.reason}; {self._rule_reason}",
+                keep_step_s=loop.keep_s, offload_step_s=loop.offload_s,
+                step_overhead=loop.overhead,
+            )
 
     def _decide(self, profile: StepProfile, step: CacheStats) -> None:
         block_s, forward_s = profile.finish()
@@ -120,8 +183,93 @@ class Steps:
             logger.debug("tba adaptive: nothing was written in the profiled step; profiling the next")
             self._profile_due = self._num_done + 1
             return
-        self._boundary.decide(block_s, profile.block_bytes, forward_s, step.write_bytes_per_s)
+        if self._budget is not None:
+            ran_at = self._boundary.default_tail_start  # the profiled step offloads them all
+            decision = self._boundary.decide_budget(
+                block_s, profile.block_bytes, forward_s, step.write_bytes_per_s,
+                budget_bytes=self._budget, peak_bytes=step.peak_resident_bytes, measured_at=ran_at,
+            )
+            self._warn_if_over_budget(decision)
+        else:
+            decision = self._boundary.decide(
+                block_s, profile.block_bytes, forward_s, step.write_bytes_per_s
+            )
+            loop = self.loop
+            if loop is not None:
+                self._rule_reason = f"rule: {decision.reason}"
+                self._timed.clear()
+                # What a keep step holds beyond the rule's step (and what it held then).
+                extra = sum(profile.block_bytes[: decision.tail_start])
+                if self.free_bytes is None:
+                    self.free_bytes = functools.partial(free_memory_bytes, self._on_cuda())
+                free = self.free_bytes()
+                self._loop_on = free >= KEEP_MARGIN * extra
+                if self._loop_on:
+                    tail_start = loop.start(decision.tail_start, profile.block_bytes)
+                    self._boundary.set(tail_start, keep_all=True)
+                    reason = loop.reason
+                else:
+                    reason = (
+                        f"closed loop not measuring: a step keeping every block would hold "
+                        f"{format_bytes(extra)} more, and {format_bytes(free)} is free"
+                    )
+                    logger.warning("tba adaptive: %s; the rule's boundary stands", reason)
+                self._boundary.decision = dataclasses.replace(
+                    decision, reason=f"{reason}; {self._rule_reason}",
+                    rule_tail_start=decision.tail_start, max_step_overhead=loop.max_overhead,
+                )
         self._profile_due = None
+        if self._boundary.decision is not None:
+            self._boundary.decision = dataclasses.replace(
+                self._boundary.decision, profiled_at_step=self._num_done
+            )
+
+    def _check_budget(self, decision: BoundaryDecision, step: CacheStats, ran_at: int) -> None:
+        """A step at boundary ``ran_at`` peaked above the budget: offload more, from its peak
+        (never fewer blocks than ``ran_at`` + 1 until the next profile)."""
+        budget = self._budget
+        assert budget is not None
+        if step.peak_resident_bytes <= budget or ran_at >= self._boundary.default_tail_start:
+            if step.peak_resident_bytes > budget:
+                self._warn_if_over_budget(dataclasses.replace(
+                    decision, measured_peak_bytes=step.peak_resident_bytes,
+                    estimated_peak_bytes=step.peak_resident_bytes,
+                ))
+            return
+        logger.info(
+            "tba budget: step %d peaked at %d bytes over the budget of %d with blocks [0, %d) "
+            "offloaded; offloading more", self._num_done, step.peak_resident_bytes, budget, ran_at,
+        )
+        profiled_at = decision.profiled_at_step
+        decision = self._boundary.decide_budget(
+            decision.block_s, decision.block_bytes, decision.forward_s,
+            decision.write_bytes_per_s, budget_bytes=budget,
+            peak_bytes=step.peak_resident_bytes, measured_at=ran_at, min_tail_start=ran_at + 1,
+        )
+        decision = self._boundary.decision = dataclasses.replace(
+            decision, profiled_at_step=profiled_at
+        )
+        self._warn_if_over_budget(decision)
+
+    def _warn_if_over_budget(self, decision: BoundaryDecision) -> None:
+        """Note [Budget mode]: say once, with numbers, when offloading every block it may
+        does not bring the peak under the budget."""
+        budget, estimate = decision.activation_budget_bytes, decision.estimated_peak_bytes
+        if self._warned_budget or budget is None or estimate is None or estimate <= budget:
+            return
+        self._warned_budget = True
+        config = self._config
+        warnings.warn(
+            f"tba: activation_budget_bytes={budget} ({format_bytes(budget)}) cannot be met: with "
+            f"every block but the kept tail offloaded (blocks [0, {decision.tail_start}) of "
+            f"{decision.num_blocks}) the step's peak of saved activations in device memory is "
+            f"{estimate} bytes ({format_bytes(estimate)}), the best tba can do here. Raise the "
+            f"budget, or offload more: lower keep_last_modules={config.keep_last_modules}, "
+            f"max_inflight_bytes={config.max_inflight_bytes} or "
+            f"min_offload_bytes={config.min_offload_bytes}. (Shown once.)",
+            UserWarning,
+            stacklevel=1,
+        )
 
     def _check_signature(self, args: Any) -> None:
         signature = tuple(tuple(t.shape) for t in tensors_in(args))

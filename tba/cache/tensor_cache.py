@@ -139,13 +139,16 @@ class TensorCache:
 
     @property
     def adaptive_decision(self) -> BoundaryDecision | None:
-        """The last adaptive decision (which blocks are offloaded, and the measurements it
-        came from), or None before the profiled step."""
+        """The last decision of the adaptive policy or of budget mode: which blocks are
+        offloaded, the measurements it came from (the profile; the closed loop's keep and
+        offload step times and overhead; the budget's measured and estimated peaks) and the
+        reason, or None before the profiled step (docs/policy.md)."""
         return self.boundary.decision
 
     def summary(self, last: int = 20) -> str:
         """A readable table of the last ``last`` steps: bytes offloaded, forwarded,
-        deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded."""
+        deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded,
+        followed by the last decision (``adaptive_decision``) with its measurements and reason."""
         with self._stats_lock:
             rows = list(self._steps.history)[-last:]
             tiers = self._steps.total.tiers
@@ -231,7 +234,9 @@ class TensorCache:
         policy offloaded in the last completed step, 0 when that step wrote nothing."""
         name = self.offloader.name if self.offloader is not None else "none"
         last, steps = self._steps.last, self._steps.total.num_steps
-        offloaded = self.boundary.tail_start if last.offloaded_bytes > 0 else 0
+        history = self._steps.history
+        ran_at = history[-1][2] if history else self.boundary.tail_start
+        offloaded = ran_at if last.offloaded_bytes > 0 else 0
         return (
             f"TensorCache(model={type(self.model).__name__}, offloader={name!r}, "
             f"blocks={self.num_blocks}, steps={steps}, offloaded_blocks={offloaded}, "

@@ -7,15 +7,23 @@ with a printed summary. Needs ``transformers`` and, for the figure, ``matplotlib
 
 Strategies: ``keep`` (tba cache with ``offloader="none"``: everything stays, accounted),
 ``recompute`` (``torch.utils.checkpoint``, non-reentrant, around every ``GPT2Block``; no tba),
-``offload-host``, ``offload-ssd`` (tba, ``offloader="host"``/``"ssd"``) and
-``recompute+offload`` (checkpointing plus the SSD offloader for what is still saved: the
-block inputs and the head). A strategy whose offloader cannot be built reports an
+``offload-host``, ``offload-ssd`` (tba, ``offloader="host"``/``"ssd"``, every block but the
+kept tail) and ``recompute+offload`` (checkpointing plus the SSD offloader for what is still
+saved: the block inputs and the head); ``adaptive`` (tba's default policy) and ``budget``
+(``activation_budget_bytes`` at ``--budget-fraction`` of keep's cache-resident peak at the
+same batch), both with the SSD offloader on CPU (where host memory is the device) and the
+host offloader on CUDA. A strategy whose offloader or option this tba lacks reports an
 ``unavailable: reason`` row and the sweep goes on.
 
-Method: each (strategy, batch) point runs in a fresh process (forked from a forkserver that
-preloaded torch and transformers): model, AdamW, gradients and optimizer state are set up,
-the baseline is taken, then ``--warmup`` steps and ``--steps`` measured steps run; a step is
-forward + backward + optimizer step. Reported step time: the median of the measured steps.
+Method: each sample of a (strategy, batch) point runs in a fresh process (forked from a
+forkserver that preloaded torch and transformers): model, AdamW, gradients and optimizer
+state are set up, the baseline is taken, then ``--warmup`` steps (a policy strategy: until its
+decision holds) and ``--steps`` measured steps run; a step is forward + backward + optimizer
+step. A sample's step time is the median of its measured steps. Every point is sampled
+``--repeats`` times in interleaved passes (Note [Interleaved samples] in ``_schedule``); a
+point reports median, mean, min and max over its samples, and each comparison with keep is
+made per pass, with a warning when the spread makes it meaningless (Note [When a comparison
+means nothing] in ``_spread``).
 
 Activation peak:
   * CUDA: ``torch.cuda.max_memory_allocated()`` during a step minus ``memory_allocated()``

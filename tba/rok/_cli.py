@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tba.rok import _report
+from tba.rok import _plot, _report, _summary
 from tba.rok._runner import MMAP_THRESHOLD, Interrupted, Progress, Runner, raise_interrupted
+from tba.rok._schedule import Sample, interleaved
+from tba.rok._spread import NOISE_FLOOR
 from tba.rok._worker import STRATEGIES
 
 __all__ = ["main"]
@@ -51,37 +53,54 @@ def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                                 epilog="Method: docs/rok.md (and the docstring of tba.rok).")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default: all)")
-    p.add_argument("--batch-sizes", help="comma-separated micro-batch sizes (default: 2,4,8,16 on CPU, "
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default: all; run in this order, keep "
+                        f"first)")
+    p.add_argument("--batch-sizes", help="comma-separated micro-batch sizes (default: 1,2,4,8 on CPU, "
                                          "2,4,8,16,32 on CUDA, 1,2 with --quick)")
     p.add_argument("--out", default=str(Path("out") / "rok"),
                    help="output directory (default out/rok in the working directory; figures worth keeping go "
                         "under benchmarks/results/)")
     p.add_argument("--quick", action="store_true", help="tiny model and few steps (smoke test)")
-    p.add_argument("--budget-bytes", type=int, help="activation budget for the 'largest batch that fits' "
-                                                   "summary (default: keep's peak at its median batch)")
-    p.add_argument("--steps", type=int, help="measured steps per point (default 5; 2 with --quick)")
-    p.add_argument("--warmup", type=int, help="warm-up steps per point (default 2; 1 with --quick)")
+    p.add_argument("--budget-bytes", type=int, help="activation budget of the summary's 'throughput at equal "
+                                                   "budget' (default: keep's peak at its median batch)")
+    p.add_argument("--budget-fraction", type=float, default=0.5,
+                   help="the budget strategy's activation_budget_bytes as a fraction of keep's cache-resident "
+                        "peak at the same batch (default 0.5)")
+    p.add_argument("--repeats", type=int, help="samples per point, taken in interleaved passes (default 3; 2 with "
+                                               "--quick)")
+    p.add_argument("--steps", type=int, help="measured steps per sample (default 2)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per sample (default 1; policy strategies run until "
+                                              "their decision holds)")
     g = p.add_argument_group("model (GPT-2 config; defaults depend on --device/--quick)")
     for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
     c = p.add_argument_group("tba cache options")
-    c.add_argument("--min-offload-bytes", type=int, help="default 64 KiB on CPU, 1 MiB on CUDA")
+    c.add_argument("--min-offload-bytes", type=int, help="default 64 KiB on CPU, 1 MiB on CUDA, 16 KiB with --quick")
     c.add_argument("--keep-last-modules", type=int, default=1)
-    c.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                   help="adaptive offloading (default: on for CUDA, off for CPU)")
+    c.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
+                   help="adaptive offloading for the fixed strategies offload-host, offload-ssd, "
+                        "recompute+offload (default off: they offload every block but the kept tail; the "
+                        "'adaptive' strategy is tba's default policy)")
     c.add_argument("--ssd-dir", help="directory for offload-ssd (default: TBA_SSD_DIR, else the temp dir)")
     p.add_argument("--num-threads", type=int, help="torch threads per worker (default: CPU cores - 1 on CPU, leaving "
                                                    "a core to tba's I/O threads; 1 with --quick; torch's on CUDA)")
     p.add_argument("--timeout-s", type=float, help="per point (default 300 CPU, 420 CUDA)")
     p.add_argument("--time-budget-s", type=float, help="skip the remaining points after this long")
     args = p.parse_args(argv)
-    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in args.strategies if s not in STRATEGIES]
-    if bad or not args.strategies:
+    chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in STRATEGIES]
+    if bad or not chosen:
         p.error(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
+    args.strategies = [s for s in STRATEGIES if s in chosen]  # keep first: see Note [Interleaved samples]
+    if "budget" in args.strategies and "keep" not in args.strategies:
+        p.error("the budget strategy needs keep (its budget is a fraction of keep's measured peak): add keep to "
+                "--strategies")
     if (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if not 0 < args.budget_fraction <= 1:
+        p.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
     if args.batch_sizes:
         try:
             args.batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",") if x.strip()})
@@ -102,6 +121,22 @@ def _git_commit() -> str | None:
         return None
 
 
+def _load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _budget_for(sample: Sample, samples: list[dict[str, Any]], fraction: float) -> int | None:
+    """The budget strategy's ``activation_budget_bytes`` at this batch: ``fraction`` of keep's
+    cache-resident peak at the same batch (the cache's exact count, the same in every pass)."""
+    peaks = [r["cache_peak_resident_bytes"] for r in samples
+             if r["strategy"] == "keep" and r["batch_size"] == sample.batch_size and r.get("status") == "ok"
+             and r.get("cache_peak_resident_bytes")]
+    return int(fraction * peaks[0]) if peaks else None
+
+
 def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
     """Runs the sweep (``tba rok --help``); returns the exit status (3: interrupted, partial results)."""
     args = _parse_args(argv, prog)
@@ -113,87 +148,131 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
     cuda = args.device == "cuda"
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    for old in (out / "logs").glob("*.log"):  # logs of an earlier sweep into the same directory
+        old.unlink()
     runner = Runner(args.device, out / "logs")
     given = sys.argv[1:] if argv is None else argv
     command = " ".join([prog, *([shlex.join(given)] if given else [])])
+    sweep_log = open(out / "logs" / "sweep.log", "w")  # noqa: SIM115 (closed in the finally below)
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        sweep_log.write(text + "\n")
+        sweep_log.flush()
 
     env = runner.run("probe", {"device": args.device}, 120, "probe.log")
     if "status" in env:
         print(f"{prog}: could not start a worker: {env['status']}", file=sys.stderr)
+        sweep_log.close()
         return 1
     if cuda and not env.get("cuda_available"):
         print(f"{prog}: --device cuda but torch.cuda.is_available() is False in the worker", file=sys.stderr)
+        sweep_log.close()
         return 1
     model = dict(_QUICK_MODEL if args.quick else (_cuda_model(env["gpu_memory_bytes"]) if cuda else _CPU_MODEL))
     for name in ("layers", "hidden", "heads", "seq_len", "vocab"):
         if getattr(args, name) is not None:
             model[name] = getattr(args, name)
-    batches = args.batch_sizes or ([1, 2] if args.quick else [2, 4, 8, 16, 32] if cuda else [2, 4, 8, 16])
+    batches = args.batch_sizes or ([1, 2] if args.quick else [2, 4, 8, 16, 32] if cuda else [1, 2, 4, 8])
     config = {
         "device": args.device, "model": model, "dtype": "bfloat16" if cuda else "float32",
         "batch_sizes": batches, "strategies": args.strategies,
-        "steps": args.steps or (2 if args.quick else 5),
-        "warmup_steps": args.warmup if args.warmup is not None else (1 if args.quick else 2),
+        "repeats": args.repeats or (2 if args.quick else 3),
+        "steps": args.steps or 2,
+        "warmup_steps": args.warmup if args.warmup is not None else 1,
         "min_offload_bytes": args.min_offload_bytes if args.min_offload_bytes is not None
-        else (1 << 20 if cuda and not args.quick else 64 * 1024),
+        else (16 * 1024 if args.quick else 1 << 20 if cuda else 64 * 1024),
         "keep_last_modules": args.keep_last_modules,
-        "adaptive": args.adaptive if args.adaptive is not None else cuda,
+        "adaptive": args.adaptive,
+        "policy_offloader": "host" if cuda else "ssd",
+        "budget_fraction": args.budget_fraction,
+        "noise_floor": NOISE_FLOOR,
         "ssd_dir": args.ssd_dir, "num_threads": args.num_threads or (None if cuda else _cpu_threads(args.quick)),
         "mmap_threshold_bytes": None if cuda else MMAP_THRESHOLD,
     }
     env.update(device=args.device, command=command, cwd=os.getcwd(), git_commit=_git_commit(),
-               malloc_env={k: os.environ[k] for k in ("MALLOCMMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+               load_avg_start=_load_avg(),
+               malloc_env={k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
                            if k in os.environ})
-    print(_report.environment_header(env, config), flush=True)
+    say(_report.environment_header(env, config))
+    notes = _report.strategy_notes(config)
 
     timeout_s = args.timeout_s or (420 if cuda else 300)
-    points = [(s, b) for b in batches for s in args.strategies]
-    progress = Progress(len(points))
-    rows: list[dict[str, Any]] = []
+    schedule = interleaved(args.strategies, batches, config["repeats"])
+    progress = Progress(len(schedule))
+    samples: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     oom_at: dict[str, int] = {}
+    unavailable: dict[str, str] = {}
     interrupted = None
+    current_pass = -1
 
     def write(final: bool) -> dict[str, Any]:
-        summary = _report.summarize(rows, args.budget_bytes)
-        report = {"environment": env, "config": config, "rows": rows, "summary": summary,
+        points = _summary.aggregate(samples)
+        summary = _summary.summarize(samples, points, args.budget_bytes)
+        report = {"environment": env, "config": config, "rows": points, "samples": samples, "summary": summary,
                   "total_wall_s": time.perf_counter() - t_start, "complete": final and interrupted is None}
-        _report.write_csv(out / "rok_curve.csv", rows)
-        (out / "rok_curve.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        _report.write_csv(out / "rok_curve.csv", points, _report.CSV_COLUMNS)
+        _report.write_csv(out / "rok_samples.csv", samples, _report.SAMPLE_COLUMNS)
         if final:
-            _report.plot(out / "rok_curve.png", rows, summary, env, config)
+            report["environment"]["load_avg_end"] = _load_avg()
+            report["plot"] = _plot.plot(out / "rok_curve.png", points, summary, env, config, notes)
+        (out / "rok_curve.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         return report
 
     previous = signal.signal(signal.SIGTERM, raise_interrupted)  # e.g. `timeout`: still write the files
     try:
-        for strategy, b in points:
-            progress.start(f"{strategy} b={b}")
+        for sample in schedule:
+            strategy, b = sample.strategy, sample.batch_size
+            if sample.repeat != current_pass:
+                current_pass = sample.repeat
+                sweep_log.write(f"pass {current_pass + 1} starts at {time.perf_counter() - t_start:.0f} s, load "
+                                f"average {_load_avg()}\n")
+            progress.start(f"pass {sample.repeat + 1} {strategy} b={b}")
+            spec = dict(config, strategy=strategy, batch_size=b)
+            load = _load_avg()
+            if strategy == "budget":
+                spec["activation_budget_bytes"] = _budget_for(sample, samples, args.budget_fraction)
             if interrupted is not None:
                 result = {"status": f"skipped: {interrupted}"}
             elif args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:
                 result = {"status": f"skipped: time budget of {args.time_budget_s:.0f} s spent"}
-            elif strategy in oom_at:
+            elif strategy in unavailable:
+                result = {"status": unavailable[strategy]}
+            elif strategy in oom_at and b >= oom_at[strategy]:
                 result = {"status": f"skipped: out of memory at batch {oom_at[strategy]}"}
+            elif strategy == "budget" and spec["activation_budget_bytes"] is None:
+                result = {"status": f"skipped: keep measured no cache-resident peak at batch {b} to set the budget"}
             else:
-                spec = dict(config, strategy=strategy, batch_size=b)
+                started = time.perf_counter() - t_start
                 try:
-                    result = runner.run("point", spec, timeout_s, f"{strategy.replace('+', '_')}-b{b}.log")
+                    result = runner.run("point", spec, timeout_s,
+                                        f"{strategy.replace('+', '_')}-b{b}-pass{sample.repeat + 1}.log")
                 except Interrupted as e:
                     interrupted = str(e)
                     result = {"status": f"failed: {interrupted}"}
+                result["started_s"] = round(started, 2)
+                if result.get("status", "").startswith("unavailable:"):
+                    unavailable[strategy] = result["status"]
                 if "OutOfMemoryError" in result.get("status", "") or "out of memory" in result.get("status", ""):
-                    oom_at[strategy] = b
+                    oom_at[strategy] = min(b, oom_at.get(strategy, b))
             result.pop("traceback", None)
-            row = {"strategy": strategy, "batch_size": b, **result}
-            rows.append(row)
-            progress.finish(_report.point_line(row, cuda))
+            row = {"repeat": sample.repeat, "strategy": strategy, "batch_size": b, "load_avg_1min": load and load[0],
+                   **result}
+            samples.append(row)
+            line = _report.sample_line(row, cuda)
+            sweep_log.write(line + "\n")
+            progress.finish(line)
             write(final=False)  # a killed sweep still leaves what it measured
+        report = write(final=True)
+        cpu_s = sum(s.get("worker_cpu_s", 0.0) for s in samples)
+        say(_report.format_summary(report["summary"], report["rows"], config, cuda))
+        say(f"\nwrote {out / 'rok_curve.csv'}, {out / 'rok_samples.csv'}, {out / 'rok_curve.json'}, "
+            f"{out / 'rok_curve.png'} ({report['total_wall_s']:.0f} s wall; the workers used {cpu_s:.0f} "
+            f"CPU-seconds; load average at end {env.get('load_avg_end')})"
+            + (f"; {interrupted}: partial results" if interrupted else ""))
     finally:
         signal.signal(signal.SIGTERM, previous)
         progress.close()
-    report = write(final=True)
-    summary = report["summary"]
-    print(_report.format_summary(summary, rows, cuda))
-    print(f"\nwrote {out / 'rok_curve.csv'}, {out / 'rok_curve.json'}, {out / 'rok_curve.png'} "
-          f"({report['total_wall_s']:.0f} s)" + (f"; {interrupted}: partial results" if interrupted else ""))
+        sweep_log.close()
     return 0 if interrupted is None else 3

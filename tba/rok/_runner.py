@@ -29,7 +29,7 @@ class Runner:
 
     def __init__(self, device: str, log_dir: Path) -> None:
         if device == "cpu":  # inherited by the forkserver, hence by every worker (see the header)
-            os.environ.setdefault("MALLOCMMAP_THRESHOLD_", str(MMAP_THRESHOLD))
+            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))
             os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(MMAP_THRESHOLD))
         methods = multiprocessing.get_all_start_methods()
         self.ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
@@ -63,6 +63,9 @@ class Runner:
                 proc.kill()
             proc.join()
             recv.close()
+            log = Path(spec["log_path"])
+            if log.exists() and log.stat().st_size == 0:  # nothing to say: no file
+                log.unlink()
         return result
 
 

@@ -8,7 +8,6 @@ preloaded torch and transformers, so every point starts from a fresh address spa
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import platform
@@ -19,78 +18,15 @@ import time
 import traceback
 from typing import Any
 
-STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload")
+from tba.rok._rss import RSS, configure_malloc
+
+STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload", "adaptive", "budget")
+# Fixed strategies name their offloader; the policy strategies (adaptive, budget) take the
+# sweep's ``policy_offloader`` (the SSD on CPU, where host memory is the device, else "host").
 _OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
-
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def configure_malloc(mmap_threshold_bytes: int | None) -> str:
-    """Make glibc return big frees to the OS at once, so RSS follows live memory.
-
-    Allocations above the mmap threshold get their own mapping, unmapped on free; a fixed
-    threshold also stops glibc from raising it dynamically after the first big free. The same
-    values are exported as ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` for the
-    forkserver; ``mallopt`` here makes sure they hold in this process.
-    """
-    if mmap_threshold_bytes is None or platform.system() != "Linux":
-        return "default"
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
-        ok &= libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold_bytes)) == 1
-    except OSError as e:  # not glibc
-        return f"default (mallopt unavailable: {e})"
-    return f"mmap/trim threshold {mmap_threshold_bytes} B" if ok else "default (mallopt refused)"
-
-
-class _RSS:
-    """Process RSS and its high-water mark, resettable through ``/proc/self/clear_refs``."""
-
-    def __init__(self) -> None:
-        self.page_bytes = os.sysconf("SC_PAGE_SIZE")
-        self.can_reset = self._try_reset()
-        self.method = ("VmHWM after clear_refs=5" if self.can_reset else "ru_maxrss (process lifetime)")
-
-    @staticmethod
-    def _try_reset() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return _RSS._status_kib("VmHWM") is not None
-        except OSError:
-            return False
-
-    @staticmethod
-    def _status_kib(key: str) -> int | None:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(key + ":"):
-                        return int(line.split()[1])
-        except OSError:
-            return None
-        return None
-
-    def current(self) -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * self.page_bytes
-        except OSError:
-            import psutil
-
-            return psutil.Process().memory_info().rss
-
-    def reset_peak(self) -> None:
-        if self.can_reset:
-            self._try_reset()
-
-    def peak(self) -> int:
-        if self.can_reset:
-            return self._status_kib("VmHWM") * 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+POLICY_STRATEGIES = ("adaptive", "budget")
+# Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds.
+_MAX_EXTRA_WARMUP = 40
 
 
 def cpu_name() -> str:
@@ -153,8 +89,121 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def cache_options(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``configure_tensor_cache`` options of a strategy (None: no tba cache).
+
+    Every strategy with a cache manages the same tensors (the sweep's ``min_offload_bytes`` and
+    ``keep_last_modules``). The fixed ones offload every block but the kept tail (``adaptive``
+    as the sweep says, off by default); ``adaptive`` leaves the policy at tba's defaults;
+    ``budget`` adds ``activation_budget_bytes`` (set by the sweep from keep's measured peak).
+    """
+    strategy, device = spec["strategy"], spec["device"]
+    offloader = spec.get("policy_offloader") or ("host" if device == "cuda" else "ssd")
+    offloader = _OFFLOADER.get(strategy, offloader)
+    if strategy == "recompute":
+        return None
+    if strategy not in _OFFLOADER and strategy not in POLICY_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    options: dict[str, Any] = dict(offloader=offloader, offload_devices=(device,),
+                                   min_offload_bytes=spec["min_offload_bytes"],
+                                   keep_last_modules=spec["keep_last_modules"])
+    if strategy in _OFFLOADER:
+        options["adaptive"] = spec["adaptive"] if offloader != "none" else False
+    if strategy == "budget":
+        if spec.get("activation_budget_bytes") is None:
+            raise ValueError("the budget strategy needs activation_budget_bytes in its spec (the sweep sets it "
+                             "from keep's cache-resident peak at the same batch)")
+        options["activation_budget_bytes"] = int(spec["activation_budget_bytes"])
+    if spec.get("ssd_dir") and offloader == "ssd":
+        options["ssd_dirs"] = (spec["ssd_dir"],)
+    return options
+
+
+def _tail_start(cache) -> int | None:
+    decision = getattr(cache, "adaptive_decision", None) if cache is not None else None
+    return getattr(decision, "tail_start", None)
+
+
+def _decision(cache) -> dict[str, Any]:
+    """The policy's last decision, as plain values (empty without one)."""
+    decision = getattr(cache, "adaptive_decision", None) if cache is not None else None
+    if decision is None:
+        return {}
+    return {"decision_tail_start": getattr(decision, "tail_start", None),
+            "decision_num_blocks": getattr(decision, "num_blocks", None),
+            "decision_reason": _one_line(getattr(decision, "reason", ""), 400)}
+
+
+class _Warmup:
+    """How many warm-up steps a point runs: the sweep's, and for a policy strategy (one that
+    decides from profiled and measured steps) as many more as it takes to decide and settle.
+
+    # Note [Warm up until the policy settles]
+    tba's adaptive policy profiles a step, then (closed loop) alternates steps that keep
+    every block with steps that offload, to measure the overhead; budget mode may correct
+    its boundary from a measured peak. Measuring those steps would time the policy's
+    experiments, not its decision. So a deciding cache (the adaptive and budget strategies,
+    and the fixed ones with ``--adaptive``) warms up until a decision exists and two
+    consecutive steps ran it alike: the same boundary, and both offloaded something or both
+    nothing (the closed loop's keep steps offload nothing and alternate with offloading
+    steps, so its measuring never looks settled; the bytes themselves vary from step to
+    step, as stores still queued when backward needs their tensor are cancelled). Up to
+    ``_MAX_EXTRA_WARMUP`` steps more; a point that did not settle says so
+    (``decision_unsettled``). Tested in
+    tests/benchmarks/test_rok_curve.py::test_warmup_waits_for_the_policy_to_settle.
+    """
+
+    def __init__(self, spec: dict[str, Any], cache) -> None:
+        self.steps = spec["warmup_steps"]
+        self.cache = cache
+        # A deciding cache: the policy strategies, and the fixed ones run with ``--adaptive``.
+        options = cache_options(spec) if cache is not None else None
+        self.policy = options is not None and options["offloader"] != "none" and (
+            options.get("adaptive", True) or options.get("activation_budget_bytes") is not None)
+        self.unsettled = ""
+        self.previous: tuple[int | None, bool] | None = None
+        if self.policy:
+            profile_step = getattr(getattr(cache, "config", None), "profile_step", 1)
+            self.steps = max(self.steps, profile_step + 1)
+            self.limit = self.steps + _MAX_EXTRA_WARMUP
+
+    def after_step(self, completed: int) -> None:
+        """Called after each warm-up step: extends the warm-up while the policy moves."""
+        if not self.policy:
+            return
+        now = (_tail_start(self.cache), self.cache.stats().offloaded_bytes > 0)
+        settled = settled_alike(self.previous, now)
+        self.previous = now
+        if completed == self.steps and not settled:
+            if self.steps < self.limit:
+                self.steps += 1
+            else:
+                self.unsettled = (f"decision {'missing' if now[0] is None else 'still moving'} after "
+                                  f"{completed} warm-up steps")
+
+
+def settled_alike(previous: tuple[int | None, bool] | None, now: tuple[int | None, bool]) -> bool:
+    """Two consecutive steps ran one decision alike: ``(tail_start, offloaded anything)`` of
+    each, see Note [Warm up until the policy settles]."""
+    return previous is not None and now[0] is not None and previous == now
+
+
+def settled_alike(previous: tuple[int | None, int] | None, now: tuple[int | None, int]) -> bool:
+    """Two consecutive steps ran one decision alike: ``(tail_start, offloaded_bytes)`` of each,
+    see Note [Warm up until the policy settles]."""
+    if previous is None or now[0] is None or previous[0] != now[0]:
+        return False
+    a, b = previous[1], now[1]
+    return abs(a - b) <= 0.01 * max(a, b)
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process
+    return usage.ru_utime + usage.ru_stime
+
+
 def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), _cpu_s()
     malloc = configure_malloc(spec.get("mmap_threshold_bytes")) if spec["device"] == "cpu" else "n/a"
     import torch
 
@@ -166,7 +215,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     strategy, b, device = spec["strategy"], spec["batch_size"], spec["device"]
     m = spec["model"]
     cuda = device == "cuda"
-    rss = _RSS()
+    rss = RSS()
 
     model = build_model(m, device, spec["dtype"])
     if strategy in ("recompute", "recompute+offload"):
@@ -181,15 +230,12 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, m["vocab"], (b, m["seq_len"]), generator=g).to(device)
 
     cache = None
-    if strategy in _OFFLOADER:
-        options = dict(offloader=_OFFLOADER[strategy], offload_devices=(device,),
-                       min_offload_bytes=spec["min_offload_bytes"], keep_last_modules=spec["keep_last_modules"],
-                       adaptive=spec["adaptive"] if _OFFLOADER[strategy] != "none" else False)
-        if spec.get("ssd_dir") and _OFFLOADER[strategy] == "ssd":
-            options["ssd_dirs"] = (spec["ssd_dir"],)
+    options = cache_options(spec)
+    if options is not None:
         try:
             cache = tba.configure_tensor_cache(model, **options)
-        except (ValueError, ImportError, NotImplementedError, OSError, tba.TBAError) as e:
+        except (ValueError, TypeError, ImportError, NotImplementedError, OSError, tba.TBAError) as e:
+            # TypeError: an option this tba does not have (a policy strategy on an older tba)
             return {"status": f"unavailable: {type(e).__name__}: {_one_line(e)}"}
 
     def step() -> float:
@@ -206,11 +252,13 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         baseline = rss.current()
 
-    times, peaks, deltas, all_stats = [], [], [], []
+    times, peaks, deltas, all_stats, tail_starts, offloaded = [], [], [], [], [], []
     loss = float("nan")
+    warmup = _Warmup(spec, cache)
     try:
-        for i in range(spec["warmup_steps"] + spec["steps"]):
-            measured = i >= spec["warmup_steps"]
+        i = 0
+        while i < warmup.steps + spec["steps"]:
+            measured = i >= warmup.steps
             gc.collect()
             if cuda:
                 torch.cuda.synchronize()
@@ -231,6 +279,12 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
                 deltas.append(peak - before)
                 if cache is not None:
                     all_stats.append(cache.stats())
+                    tail_starts.append(_tail_start(cache))
+                    offloaded.append(all_stats[-1].offloaded_bytes)
+            else:
+                warmup.after_step(i + 1)
+            i += 1
+        decision = _decision(cache)
     finally:
         if cache is not None:
             cache.close()
@@ -259,8 +313,19 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         "loss": loss,
         "malloc": malloc,
         "num_threads": torch.get_num_threads(),
+        "warmup_steps_run": warmup.steps,
         "worker_wall_s": time.perf_counter() - wall0,
+        "worker_cpu_s": _cpu_s() - cpu0,
     }
+    if options is not None:
+        row.update(offloader=options["offloader"], adaptive=options.get("adaptive", True), **decision)
+        if "activation_budget_bytes" in options:
+            row["activation_budget_bytes"] = options["activation_budget_bytes"]
+        row["cache_offloaded_bytes_per_step"] = offloaded
+        if any(t is not None for t in tail_starts):
+            row["decision_tail_start_per_step"] = tail_starts
+        if warmup.unsettled:
+            row["decision_unsettled"] = warmup.unsettled
     if cuda:
         row["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     else:
@@ -270,6 +335,8 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         row.update(_cache_stats_dict(last))
         row["cache_peak_resident_bytes"] = max(s.peak_resident_bytes for s in all_stats)
         row["cache_stall_s"] = statistics.median(s.stall_s for s in all_stats)
+        if "activation_budget_bytes" in row:
+            row["budget_met"] = row["cache_peak_resident_bytes"] <= row["activation_budget_bytes"]
     return row
 
 

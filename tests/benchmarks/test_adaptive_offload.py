@@ -28,3 +28,28 @@ def test_adaptive_offload_smoke(tmp_path: Path) -> None:
     assert all(r["median_step_s"] > 0 and r["peak_resident_bytes"] > 0 for r in result["rows"])
     assert {"device", "torch", "tba", "command"} <= result["environment"].keys()
     assert "adaptive:" in proc.stdout
+
+
+def test_adaptive_table_smoke(tmp_path: Path) -> None:
+    """``--table`` runs every strategy interleaved at each thread count and saves ratios' inputs."""
+    out = tmp_path / "table.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "adaptive_offload.py"), "--table", "--layers",
+         "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128", "--table-batch",
+         "2", "--table-steps", "4", "--table-warmup", "1", "--steady", "2", "--threads", "1,2",
+         "--min-offload-bytes", "0", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["threads"] for r in result["results"]] == [1, 2]
+    for per_threads in result["results"]:
+        rows = per_threads["rows"]
+        assert list(rows) == ["keep", "adaptive", "fixed-host", "fixed-ssd"]
+        assert rows["keep"]["offloaded_bytes_per_step"] == 0
+        assert rows["fixed-host"]["offloaded_bytes_per_step"] > 0
+        assert rows["fixed-ssd"]["offloaded_bytes_per_step"] > 0
+        assert all(len(r["step_times_s"]) == 4 for r in rows.values())
+    assert {"device", "torch", "tba", "command"} <= result["environment"].keys()
+    assert "x keep" in proc.stdout and "1 torch thread(s)" in proc.stdout

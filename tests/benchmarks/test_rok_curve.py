@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/rok_curve.py (--quick) and unit tests of its summary."""
+"""Smoke test of benchmarks/rok_curve.py (--quick) and unit tests of its schedule, spread and summary."""
 
 from __future__ import annotations
 
@@ -13,69 +13,303 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
+import tba  # noqa: E402
+from tba.rok import _cli as _rok_cli  # noqa: E402
+from tba.rok import _plot as _rok_plot  # noqa: E402
 from tba.rok import _report as _rok_report  # noqa: E402
+from tba.rok import _schedule as _rok_schedule  # noqa: E402
+from tba.rok import _spread as _rok_spread  # noqa: E402
+from tba.rok import _summary as _rok_summary  # noqa: E402
 from tba.rok import _worker as _rok_worker  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+HAS_BUDGET = "activation_budget_bytes" in {f.name for f in tba.TensorCacheConfig.__dataclass_fields__.values()}
 
 
 def test_quick_run_writes_csv_json_png(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH / "rok_curve.py"), "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "== ROK curve ==" in proc.stdout and "torch " in proc.stdout and "== summary ==" in proc.stdout
+    out = proc.stdout
+    assert "== ROK curve ==" in out and "torch " in out and "== summary ==" in out and "load average" in out
+    assert "overhead at equal batch" in out and "throughput at equal activation budget" in out
     with open(tmp_path / "rok_curve.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert {"strategy", "batch_size", "activation_peak_bytes", "step_time_s", "model_flops_per_s",
-            "tokens_per_s", "cache_peak_resident_bytes"} <= set(rows[0])
-    assert {(r["strategy"], r["batch_size"]) for r in rows} == {
+        points = list(csv.DictReader(f))
+    assert {"strategy", "batch_size", "num_samples", "activation_peak_bytes", "step_time_s", "step_time_s_mean",
+            "step_time_s_min", "step_time_s_max", "model_flops_per_s", "model_flops_per_s_spread", "tokens_per_s",
+            "cache_peak_resident_bytes"} <= set(points[0])
+    assert {(r["strategy"], r["batch_size"]) for r in points} == {
         (s, b) for s in _rok_worker.STRATEGIES for b in ("1", "2")}
-    for r in rows:
-        if r["strategy"] in ("keep", "recompute"):  # need no offloader: must always run
+    for r in points:
+        if r["strategy"] in ("keep", "recompute", "adaptive"):  # need no optional offloader: must always run
             assert r["status"] == "ok", r
         assert r["status"] == "ok" or r["status"].startswith(("unavailable:", "failed:")), r
         if r["status"] == "ok":
-            assert float(r["step_time_s"]) > 0 and float(r["model_flops_per_s"]) > 0
+            assert int(r["num_samples"]) == 2  # --quick: two passes
+            lo, med, hi = (float(r[f"model_flops_per_s{x}"]) for x in ("_min", "", "_max"))
+            assert 0 < lo <= med <= hi and float(r["step_time_s"]) > 0
+    with open(tmp_path / "rok_samples.csv") as f:
+        samples = list(csv.DictReader(f))
+    assert len(samples) == 2 * len(points) and {s["repeat"] for s in samples} == {"0", "1"}
     report = json.loads((tmp_path / "rok_curve.json").read_text())
     env = report["environment"]
-    assert env["torch"] and env["tba"] and env["python"] and "--quick" in env["command"]
-    assert report["summary"]["relative_to_keep"]["keep"]["1"]["peak_vs_keep"] == pytest.approx(1.0)
+    assert env["torch"] and env["tba"] and env["python"] and "--quick" in env["command"] and env["load_avg_start"]
+    assert report["config"]["repeats"] == 2 and len(report["samples"]) == len(samples)
+    rec = report["summary"]["equal_batch"]["recompute"]["1"]["step_time_vs_keep"]
+    assert len(rec["ratios"]) == 2 and rec["ratio"]["min"] <= rec["ratio"]["median"] <= rec["ratio"]["max"]
+    adaptive = next(p for p in report["rows"] if p["strategy"] == "adaptive" and p["batch_size"] == 2)
+    assert adaptive["decision_tail_start"] is not None and adaptive["warmup_steps_run"] >= 3
+    for budget in (s for s in report["samples"] if s["strategy"] == "budget" and s["status"] == "ok"):
+        keep = next(s for s in report["samples"] if s["strategy"] == "keep" and s["batch_size"] == budget["batch_size"])
+        assert budget["activation_budget_bytes"] == int(0.5 * keep["cache_peak_resident_bytes"])
+    keep_curve = report["plot"]["curve"]["keep"]
+    assert keep_curve["batch_sizes"] == [1, 2] and len(keep_curve["yerr"]) == 2 and len(keep_curve["yerr"][0]) == 2
     png = (tmp_path / "rok_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert (tmp_path / "logs" / "sweep.log").read_text().count("pass 2 starts") == 1
+
+
+def _spec(**kw):
+    spec = dict(device="cpu", model=dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=16), dtype="float32",
+                strategy="keep", batch_size=2, steps=1, warmup_steps=0, min_offload_bytes=0, keep_last_modules=1,
+                adaptive=False, ssd_dir=None, num_threads=None, mmap_threshold_bytes=None)
+    spec.update(kw)
+    return spec
 
 
 def test_unavailable_offloader_is_a_row_not_a_crash():
-    spec = dict(device="cpu", model=dict(layers=1, hidden=32, heads=2, seq_len=8, vocab=16), dtype="float32",
-                strategy="offload-ssd", batch_size=1, steps=1, warmup_steps=0, min_offload_bytes=0,
-                keep_last_modules=1, adaptive=False, ssd_dir="/proc/no/such/dir", num_threads=None,
-                mmap_threshold_bytes=None)
+    spec = _spec(strategy="offload-ssd", ssd_dir="/proc/no/such/dir", model=dict(layers=1, hidden=32, heads=2,
+                                                                                 seq_len=8, vocab=16), batch_size=1)
     row = _rok_worker.run_point(spec)
     assert row["status"].startswith("unavailable: ValueError"), row
     ok = _rok_worker.run_point(dict(spec, strategy="recompute"))
     assert ok["status"] == "ok" and ok["model_flops_per_s"] > 0
 
 
-def _row(strategy, b, peak, flops):
-    return {"strategy": strategy, "batch_size": b, "status": "ok", "activation_peak_bytes": peak,
-            "model_flops_per_s": flops, "step_time_s": 1.0}
+def test_schedule_interleaves_strategies():
+    # Note [Interleaved samples]: passes outermost; within a pass and batch every strategy once,
+    # back to back; the order rotates each pass; keep first in the first pass.
+    strategies, batches = ["keep", "recompute", "offload-ssd", "budget"], [2, 8]
+    sched = _rok_schedule.interleaved(strategies, batches, 3)
+    assert len(sched) == 3 * 2 * 4 and len(set(sched)) == len(sched)
+    assert [s.repeat for s in sched] == sorted(s.repeat for s in sched)
+    for i in range(0, len(sched), 4):
+        group = sched[i:i + 4]
+        assert len({(s.repeat, s.batch_size) for s in group}) == 1 and sorted(s.strategy for s in group) == sorted(
+            strategies)
+    firsts = [sched[i].strategy for i in range(0, len(sched), 4)]
+    assert firsts == ["keep", "keep", "recompute", "recompute", "offload-ssd", "offload-ssd"]
+    for s in strategies:  # every strategy takes a different place in each pass
+        assert len({[x.strategy for x in sched if x.repeat == r and x.batch_size == 2].index(s)
+                    for r in range(3)}) == 3
+    with pytest.raises(ValueError, match="repeats=0"):
+        _rok_schedule.interleaved(strategies, batches, 0)
 
 
-def test_summary_relative_numbers_and_budget():
-    rows = [
-        _row("keep", 4, 400, 100.0), _row("keep", 8, 800, 110.0), _row("keep", 16, 1600, 120.0),
-        _row("recompute", 4, 150, 75.0), _row("recompute", 8, 250, 80.0), _row("recompute", 16, 450, 90.0),
-        _row("offload-ssd", 4, 200, 99.0), _row("offload-ssd", 8, 350, 109.0),
-        {"strategy": "offload-ssd", "batch_size": 16, "status": "failed: timeout after 300 s"},
-        {"strategy": "offload-host", "batch_size": 4, "status": "unavailable: ValueError: no host pool"},
-    ]
-    s = _rok_report.summarize(rows, None)
-    assert s["shared_batches"] == [4, 8] and s["largest_shared_batch"] == 8
-    assert s["relative_to_keep"]["offload-ssd"]["8"] == {"peak_vs_keep": 350 / 800, "throughput_vs_keep": 109 / 110}
+def test_meaningless_comparison_warning():
+    # Note [When a comparison means nothing]
+    warn = _rok_spread.comparison_warning
+    assert warn([0.98, 0.99, 1.0]) is None  # tight: "no difference" is a result
+    assert warn([0.60, 0.70, 0.72]) is None  # wide but far from 1: slower, clearly
+    assert warn([1.45, 1.52, 1.60]) is None
+    assert "cannot tell" in warn([0.9, 1.52, 2.1])  # the summary that said "152% of keep"
+    assert "cannot tell" in warn([0.92, 0.97, 1.03])  # 11% spread hides a 3% difference
+    assert "one sample" in warn([1.2])
+    assert "no pair" in warn([])
+    assert warn([0.97, 1.0, 1.03], noise_floor=0.07) is None
+    s = _rok_spread.spread([3.0, 1.0, 2.0, 10.0])
+    assert (s.n, s.median, s.mean, s.min, s.max) == (4, 2.5, 4.0, 1.0, 10.0) and s.relative == pytest.approx(3.6)
+
+
+def _sample(strategy, b, repeat, peak, step_s, flops_per_step=100.0):
+    return {"repeat": repeat, "strategy": strategy, "batch_size": b, "status": "ok", "activation_peak_bytes": peak,
+            "step_time_s": step_s, "model_flops_per_s": flops_per_step * b / step_s, "tokens_per_s": b / step_s}
+
+
+def _injected():
+    samples = []
+    for r, drift in enumerate((1.0, 1.5, 1.0)):  # pass 1 ran while the machine was busy: everything slower
+        samples += [
+            _sample("keep", 4, r, 400, 1.0 * drift), _sample("keep", 8, r, 800, 2.0 * drift),
+            _sample("keep", 16, r, 1600, 4.0 * drift),
+            _sample("recompute", 4, r, 150, 1.3 * drift), _sample("recompute", 8, r, 250, 2.6 * drift),
+            _sample("recompute", 16, r, 450, 5.2 * drift),
+            _sample("offload-ssd", 4, r, 200, 1.02 * drift), _sample("offload-ssd", 8, r, 350 + 500 * (r == 2),
+                                                                     (2.0, 3.3, 1.4)[r]),
+        ]
+    samples.append({"repeat": 0, "strategy": "offload-ssd", "batch_size": 16, "status": "failed: timeout after 300 s"})
+    samples.append({"repeat": 0, "strategy": "offload-host", "batch_size": 4,
+                    "status": "unavailable: ValueError: no host pool"})
+    return samples
+
+
+def test_aggregate_points_carry_the_spread():
+    points = {(p["strategy"], p["batch_size"]): p for p in _rok_summary.aggregate(_injected())}
+    keep8 = points[("keep", 8)]
+    assert keep8["num_samples"] == 3 and keep8["num_failed"] == 0
+    assert (keep8["step_time_s"], keep8["step_time_s_min"], keep8["step_time_s_max"]) == (2.0, 2.0, 3.0)
+    assert keep8["step_time_s_mean"] == pytest.approx(7 / 3) and keep8["step_time_s_spread"] == pytest.approx(0.5)
+    assert keep8["model_flops_per_s_min"] == pytest.approx(800 / 3) and keep8["model_flops_per_s"] == 400
+    assert points[("offload-ssd", 16)]["status"].startswith("failed") and points[("offload-ssd", 16)][
+        "num_samples"] == 0
+    assert points[("offload-ssd", 8)]["activation_peak_bytes_max"] == 850
+
+
+def test_summary_in_both_framings_uses_the_spread():
+    samples = _injected()
+    s = _rok_summary.summarize(samples, _rok_summary.aggregate(samples), None)
+    # Overhead at equal batch, per pass: the drift of pass 1 cancels (recompute is 1.30x in every pass).
+    rec = s["equal_batch"]["recompute"]["8"]["step_time_vs_keep"]
+    assert rec["ratios"] == pytest.approx([1.3, 1.3, 1.3]) and rec["warning"] is None
+    assert s["equal_batch"]["recompute"]["8"]["peak_vs_keep"]["ratio"]["median"] == pytest.approx(250 / 800)
+    ssd = s["equal_batch"]["offload-ssd"]["8"]["step_time_vs_keep"]
+    assert ssd["ratio"]["min"] == pytest.approx(0.7) and ssd["ratio"]["max"] == pytest.approx(1.1)
+    assert "cannot tell" in ssd["warning"]
+    assert any(w.startswith("offload-ssd b=8, step time vs keep") for w in s["warnings"])
+    assert not any(w.startswith("recompute") for w in s["warnings"])
+    # Throughput at equal activation budget (keep's peak at its median batch 8 = 800 B): a batch
+    # fits only if every sample fits, so offload-ssd's b=8 (one pass at 850 B) does not.
     assert s["budget_bytes"] == 800 and "median batch 8" in s["budget_source"]
-    fits = s["largest_batch_within_budget"]
+    fits = s["equal_budget"]
     assert fits["keep"]["largest_batch"] == 8 and fits["recompute"]["largest_batch"] == 16
-    assert fits["offload-ssd"]["largest_batch"] == 8
+    assert fits["offload-ssd"]["largest_batch"] == 4
+    rel = fits["recompute"]["throughput_vs_keep"]
+    assert rel["ratios"] == pytest.approx([(1600 / 5.2) / (800 / 2.0)] * 3) and rel["warning"] is None
     assert s["unavailable"] == {"offload-host": "unavailable: ValueError: no host pool"}
-    text = _rok_report.format_summary(s, rows, cuda=False)
-    assert "b=8" in text and "offload-host" in text and "44%" in text
-    assert _rok_report.summarize(rows, 300)["largest_batch_within_budget"]["keep"]["largest_batch"] is None
+    text = _rok_report.format_summary(s, _rok_summary.aggregate(samples), {"repeats": 3}, cuda=False)
+    assert "1.30x (1.30..1.30)" in text and "0.70..1.10) ?" in text and "31% (31%..31%)" in text
+    assert "b=16" in text and "offload-host" in text and "warnings (2)" in text
+    assert _rok_summary.summarize(samples, _rok_summary.aggregate(samples), 300)["equal_budget"]["keep"][
+        "largest_batch"] is None
+
+
+def test_one_sample_per_point_warns_for_every_comparison():
+    samples = [s for s in _injected() if s["repeat"] == 0]
+    s = _rok_summary.summarize(samples, _rok_summary.aggregate(samples), None)
+    assert s["warnings"] and all("one sample" in w for w in s["warnings"])
+    text = _rok_report.format_summary(s, _rok_summary.aggregate(samples), {"repeats": 1}, cuda=False)
+    assert "every comparison rests on one sample" in text
+
+
+def test_plot_series_has_error_bars():
+    samples = _injected()
+    points = _rok_summary.aggregate(samples)
+    series = _rok_plot.plot_series(points, _rok_summary.summarize(samples, points, None), cuda=False)
+    keep = series["curve"]["keep"]
+    assert keep["batch_sizes"] == [4, 8, 16] and keep["n"] == [3, 3, 3]
+    i = keep["batch_sizes"].index(8)
+    assert keep["y"][i] == pytest.approx(400 / 1e9)
+    assert keep["yerr"][0][i] == pytest.approx((400 - 800 / 3) / 1e9) and keep["yerr"][1][i] == pytest.approx(0)
+    ssd = series["overhead"]["offload-ssd"]
+    assert ssd["batch_sizes"] == [4, 8] and ssd["meaningless"] == [False, True]
+    assert ssd["yerr"][0][1] == pytest.approx(1.0 - 0.7) and ssd["yerr"][1][1] == pytest.approx(0.1)
+
+
+def test_strategy_options():
+    assert _rok_worker.cache_options(_spec(strategy="recompute")) is None
+    keep = _rok_worker.cache_options(_spec(strategy="keep", adaptive=True))
+    assert keep["offloader"] == "none" and keep["adaptive"] is False
+    assert _rok_worker.cache_options(_spec(strategy="offload-host"))["adaptive"] is False
+    adaptive = _rok_worker.cache_options(_spec(strategy="adaptive"))  # tba's default policy: no adaptive option
+    assert adaptive["offloader"] == "ssd" and "adaptive" not in adaptive
+    assert _rok_worker.cache_options(_spec(strategy="adaptive", device="cuda"))["offloader"] == "host"
+    with pytest.raises(ValueError, match="activation_budget_bytes"):
+        _rok_worker.cache_options(_spec(strategy="budget"))
+    budget = _rok_worker.cache_options(_spec(strategy="budget", activation_budget_bytes=1234))
+    assert budget["activation_budget_bytes"] == 1234 and budget["offloader"] == "ssd"
+
+
+def test_budget_is_a_fraction_of_keeps_cache_peak():
+    samples = [{"repeat": 0, "strategy": "keep", "batch_size": 4, "status": "ok", "cache_peak_resident_bytes": 1000},
+               {"repeat": 0, "strategy": "keep", "batch_size": 8, "status": "failed: x"}]
+    sample = _rok_schedule.Sample(0, 4, "budget")
+    assert _rok_cli._budget_for(sample, samples, 0.5) == 500
+    assert _rok_cli._budget_for(_rok_schedule.Sample(0, 8, "budget"), samples, 0.5) is None
+
+
+def test_strategy_order_and_budget_needs_keep(capsys):
+    args = _rok_cli._parse_args(["--strategies", "adaptive,recompute,keep"], "tba rok")
+    assert args.strategies == ["keep", "recompute", "adaptive"]
+    with pytest.raises(SystemExit):
+        _rok_cli._parse_args(["--strategies", "budget,offload-ssd"], "tba rok")
+    assert "the budget strategy needs keep" in capsys.readouterr().err
+
+
+def test_adaptive_strategy_decides_before_it_is_measured():
+    row = _rok_worker.run_point(_spec(strategy="adaptive", steps=2, warmup_steps=0, batch_size=4,
+                                      model=dict(layers=6, hidden=64, heads=2, seq_len=64, vocab=64)))
+    assert row["status"] == "ok", row
+    assert row["decision_tail_start"] is not None and row["decision_num_blocks"] == 6 and row["decision_reason"]
+    assert row["warmup_steps_run"] >= tba.TensorCacheConfig().profile_step + 1 and "decision_unsettled" not in row
+    # Measured steps run the settled decision: no closed-loop keep step among them.
+    assert row["decision_tail_start_per_step"] == [row["decision_tail_start"]] * 2
+    assert len({b > 0 for b in row["cache_offloaded_bytes_per_step"]}) == 1
+
+
+@pytest.mark.skipif(not HAS_BUDGET, reason="this tba has no activation_budget_bytes option")
+def test_budget_strategy_meets_its_budget():
+    # The host offloader: on CPU its copies finish at once, so the cache's peak follows the boundary.
+    spec = _spec(model=dict(layers=6, hidden=64, heads=2, seq_len=64, vocab=64), batch_size=4, steps=2,
+                 policy_offloader="host")
+    keep = _rok_worker.run_point(spec)
+    assert keep["status"] == "ok" and keep["cache_peak_resident_bytes"] > 0
+    budget = int(0.75 * keep["cache_peak_resident_bytes"])
+    row = _rok_worker.run_point(dict(spec, strategy="budget", activation_budget_bytes=budget))
+    assert row["status"] == "ok", row
+    assert row["activation_budget_bytes"] == budget and row["offloader"] == "host"
+    assert all(b > 0 for b in row["cache_offloaded_bytes_per_step"])
+    assert row["cache_peak_resident_bytes"] <= budget and row["budget_met"] is True
+    assert row["decision_tail_start"] is not None and "budget" in row["decision_reason"]
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    for module in (_rok_schedule, _rok_spread):
+        result = doctest.testmod(module, raise_on_error=False, verbose=False)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+class _ScriptedCache:
+    """A cache double whose decision and offloaded bytes follow a script, one entry per step."""
+
+    def __init__(self, script):
+        self.script, self.step = script, 0
+        self.config = tba.TensorCacheConfig(offload_devices=("cpu",))  # profile_step 2
+
+    @property
+    def adaptive_decision(self):
+        tail = self.script[self.step - 1][0] if self.step else None
+        return None if tail is None else type("Decision", (), {"tail_start": tail})()
+
+    def stats(self):
+        return type("Stats", (), {"offloaded_bytes": self.script[self.step - 1][1]})()
+
+
+def _warmup_steps(script, measured=2, strategy="adaptive", adaptive=False):
+    # The worker's loop: warm up until _Warmup says enough, then the measured steps.
+    cache = _ScriptedCache(script)
+    warmup = _rok_worker._Warmup(_spec(strategy=strategy, warmup_steps=1, adaptive=adaptive), cache)
+    i = 0
+    while i < warmup.steps + measured:
+        cache.step += 1  # the step runs
+        if i < warmup.steps:
+            warmup.after_step(i + 1)
+        i += 1
+    return warmup
+
+
+def test_warmup_waits_for_the_policy_to_settle():
+    # Note [Warm up until the policy settles]: profile (step 2), the closed loop alternating keep
+    # steps (nothing offloaded) with steps offloading [0, 11), backing off to [0, 9), settling.
+    loop = [(None, 100), (11, 100), (11, 0), (11, 80), (11, 0), (11, 90), (11, 0), (9, 50), (9, 0), (9, 70),
+            (9, 0), (9, 60), (9, 0), (9, 40), (9, 85)]
+    warmup = _warmup_steps(loop + [(9, 85)] * 2)
+    assert warmup.steps == len(loop) and not warmup.unsettled  # offloaded bytes vary; the decision held
+    assert _warmup_steps([(None, 0), (3, 10), (3, 12)] + [(3, 9)] * 2).steps == 3  # the earliest: profile_step + 1
+    assert _warmup_steps([(None, 10)] + [(0, 0)] * 5).steps == 3  # settled on keeping every block
+    assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="offload-ssd").steps == 1  # not a policy
+    assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="keep", adaptive=True).steps == 1
+    assert _warmup_steps([(None, 10)] + [(5, 0), (5, 9), (5, 9)], strategy="offload-ssd", adaptive=True).steps == 4
+    moving = _warmup_steps([(None, 10)] + [(4, 0), (4, 10)] * _rok_worker._MAX_EXTRA_WARMUP)
+    assert moving.steps == 3 + _rok_worker._MAX_EXTRA_WARMUP and "still moving" in moving.unsettled

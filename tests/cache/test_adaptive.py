@@ -139,10 +139,11 @@ def test_reprofiles_when_inputs_change() -> None:
         first = cache.adaptive_decision
         assert first is not None
         step(cache, 8)
-        assert cache.adaptive_decision is first
-        step(cache, 32)  # new shape: profiled again at the next step
+        assert first.profiled_at_step == 1
+        assert cache.adaptive_decision.profiled_at_step == 1  # the closed loop measures on
+        step(cache, 32)  # new shape: this step is profiled again
         step(cache, 32)
-        assert cache.adaptive_decision is not first
+        assert cache.adaptive_decision.profiled_at_step == 3
 
 
 class FakeClock:

@@ -261,8 +261,10 @@ def test_cancelled_stores_are_named() -> None:
 
 def test_no_warning_when_offloading_or_with_offloader_none() -> None:
     with caught() as messages:
+        # max_step_overhead=None: no closed-loop keep step (it offloads nothing, on purpose).
         cache = run_twins(models.Stack, models.vector_batch, steps=3, settle=True,
-                          offloader="host", offload_devices=("cpu",), min_offload_bytes=0)
+                          offloader="host", offload_devices=("cpu",), min_offload_bytes=0,
+                          max_step_overhead=None)
         with tba.configure_tensor_cache(models.Stack(), offloader="none") as none:
             pass
     assert_bytes_moved(cache)

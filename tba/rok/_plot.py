@@ -1,0 +1,133 @@
+"""The figure of the ROK curve (private module of :mod:`tba.rok`).
+
+``plot_series`` turns points and summary into the numbers drawn (so tests can check them
+without reading pixels); ``plot`` draws them: the curve with error bars on both axes, the
+overhead at equal batch with its per-pass range, and the peak against batch size.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot", "plot_series"]
+
+_COLORS = {"keep": "tab:blue", "recompute": "tab:red", "offload-host": "tab:orange", "offload-ssd": "tab:green",
+           "recompute+offload": "tab:purple", "adaptive": "tab:brown", "budget": "tab:olive"}
+
+
+def _err(median: list[float], lo: list[float], hi: list[float]) -> list[list[float]]:
+    """matplotlib's asymmetric error: distances below and above the median."""
+    return [[m - a for m, a in zip(median, lo)], [b - m for m, b in zip(median, hi)]]
+
+
+def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: bool) -> dict[str, Any]:
+    """The plotted numbers: medians and (min, max) error bars per strategy, in MiB and FLOP/s units."""
+    scale = 1e12 if cuda else 1e9
+    curve: dict[str, dict[str, Any]] = {}
+    peak: dict[str, dict[str, Any]] = {}
+    for p in sorted((p for p in points if p["status"] == "ok"), key=lambda p: p["batch_size"]):
+        c = curve.setdefault(p["strategy"], {"batch_sizes": [], "n": [], "x": [], "x_min": [], "x_max": [], "y": [],
+                                             "y_min": [], "y_max": []})
+        c["batch_sizes"].append(p["batch_size"])
+        c["n"].append(p["num_samples"])
+        for axis, key, unit in (("x", "activation_peak_bytes", 2**20), ("y", "model_flops_per_s", scale)):
+            for suffix in ("", "_min", "_max"):
+                c[axis + suffix].append(p[key + suffix] / unit)
+        k = peak.setdefault(p["strategy"], {"batch_sizes": [], "measured": [], "cache": []})
+        k["batch_sizes"].append(p["batch_size"])
+        k["measured"].append(p["activation_peak_bytes"] / 2**20)
+        cache = p.get("cache_peak_resident_bytes")
+        k["cache"].append(None if cache is None else cache / 2**20)
+    for c in curve.values():
+        c["xerr"], c["yerr"] = _err(c["x"], c["x_min"], c["x_max"]), _err(c["y"], c["y_min"], c["y_max"])
+    overhead: dict[str, dict[str, Any]] = {}
+    for s, by_b in summary["equal_batch"].items():
+        o = overhead.setdefault(s, {"batch_sizes": [], "y": [], "y_min": [], "y_max": [], "meaningless": []})
+        for b, comp in sorted(by_b.items(), key=lambda kv: int(kv[0])):
+            r = comp["step_time_vs_keep"]["ratio"]
+            if r is None:
+                continue
+            o["batch_sizes"].append(int(b))
+            o["y"].append(r["median"])
+            o["y_min"].append(r["min"])
+            o["y_max"].append(r["max"])
+            o["meaningless"].append(comp["step_time_vs_keep"]["warning"] is not None)
+        o["yerr"] = _err(o["y"], o["y_min"], o["y_max"])
+    return {"curve": curve, "overhead": overhead, "peak": peak, "throughput_unit": "TFLOP/s" if cuda else "GFLOP/s"}
+
+
+def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env: dict[str, Any],
+         config: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """Draw the figure into ``path``; returns :func:`plot_series`'s numbers (also saved in the JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cuda = env["device"] == "cuda"
+    series = plot_series(points, summary, cuda)
+    fig, (ax, ax_o, ax_p) = plt.subplots(1, 3, figsize=(18, 6.6), gridspec_kw={"width_ratios": [5, 3, 3]})
+    for s in dict.fromkeys(p["strategy"] for p in points):
+        color = _COLORS.get(s)
+        c = series["curve"].get(s)
+        if c is None:
+            why = summary["unavailable"].get(s, "no points")
+            ax.plot([], [], "x", color=color, label=f"{s}: {why[:60]}")
+            continue
+        ax.errorbar(c["x"], c["y"], xerr=c["xerr"], yerr=c["yerr"], fmt="o-", color=color, label=s, lw=2, ms=5,
+                    capsize=3, elinewidth=1)
+        for b, xi, yi in zip(c["batch_sizes"], c["x"], c["y"]):
+            ax.annotate(f"b={b}", (xi, yi), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color)
+        o = series["overhead"].get(s)
+        if o and o["y"]:
+            ax_o.errorbar(o["batch_sizes"], o["y"], yerr=o["yerr"], fmt="-", color=color, capsize=3, lw=1.5, label=s)
+            for b, y, bad in zip(o["batch_sizes"], o["y"], o["meaningless"]):
+                ax_o.plot([b], [y], "o", color=color, mfc="none" if bad else color, ms=6)
+        k = series["peak"][s]
+        ax_p.plot(k["batch_sizes"], k["measured"], "o-", color=color, label=f"{s} (measured)")
+        if all(v is not None for v in k["cache"]):
+            ax_p.plot(k["batch_sizes"], k["cache"], "s--", color=color, alpha=0.6, mfc="none")
+    if summary.get("budget_bytes"):
+        ax.axvline(summary["budget_bytes"] / 2**20, color="gray", ls=":", lw=1)
+        ax.text(summary["budget_bytes"] / 2**20, ax.get_ylim()[0], " summary budget", color="gray", fontsize=8,
+                va="bottom")
+    peak_what = "max_memory_allocated - baseline" if cuda else "RSS high-water - baseline"
+    ax.set_xlabel(f"activation peak, MiB ({peak_what})")
+    ax.set_ylabel(f"model throughput, {series['throughput_unit']} (recompute not counted)")
+    ax.set_title(f"ROK curve: median of {config['repeats']} interleaved passes, bars = min..max; "
+                 f"batch grows along a curve", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    ax_o.axhline(1.0, color="tab:blue", lw=1)
+    batches = sorted({p["batch_size"] for p in points})
+    for a in (ax_o, ax_p):
+        a.set_xscale("log", base=2)
+        a.set_xticks(batches, [str(b) for b in batches])
+    ax_o.set_xlabel("micro-batch size")
+    ax_o.set_ylabel("step time / keep's (same pass)")
+    ax_o.set_title("overhead at equal batch: median, bars = min..max over passes;\nhollow = spread makes the "
+                   "comparison meaningless", fontsize=9)
+    ax_o.grid(alpha=0.3)
+    ax_p.set_xlabel("micro-batch size")
+    ax_p.set_ylabel("activation peak, MiB (median)")
+    ax_p.set_title("peak vs batch: measured (solid), cache-resident activations (dashed)", fontsize=9)
+    ax_p.grid(alpha=0.3)
+    ax_p.legend(fontsize=7, loc="upper left")
+    m = config["model"]
+    device = f"{env.get('gpu')} (CUDA {env.get('cuda')})" if cuda else f"CPU: {env.get('cpu')} x{env.get('num_cpus')}"
+    fig.suptitle(f"ROK curve, GPT-2 {m['layers']}L h{m['hidden']} s{m['seq_len']} V{m['vocab']} {config['dtype']}"
+                 f" on {device}", fontsize=12)
+    load = env.get("load_avg_start")
+    foot = (f"torch {env['torch']}, tba {env['tba']}" + (f" ({env['git_commit']})" if env.get("git_commit") else "")
+            + f", transformers {env['transformers']}, python {env['python']}; each sample: median of "
+              f"{config['steps']} steps after {config['warmup_steps']} warm-up in a fresh process"
+            + (f"; torch threads {config['num_threads']}" if config.get("num_threads") else "")
+            + (f"; load average at start {load[0]:.2f}" if load else "")
+            + "; " + "; ".join(notes) + f"; command: {env['command']}")
+    fig.text(0.01, 0.01, "\n".join(textwrap.wrap(foot, 220)), fontsize=7, va="bottom", family="monospace")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series

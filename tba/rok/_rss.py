@@ -1,0 +1,85 @@
+"""Host memory as the ROK sweep measures it on CPU (private module of :mod:`tba.rok`).
+
+RSS and its resettable high-water mark, and the glibc settings that make RSS follow live
+memory (see the docstring of :mod:`tba.rok`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import resource
+import sys
+
+__all__ = ["RSS", "configure_malloc"]
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def configure_malloc(mmap_threshold_bytes: int | None) -> str:
+    """Make glibc return big frees to the OS at once, so RSS follows live memory.
+
+    Allocations above the mmap threshold get their own mapping, unmapped on free; a fixed
+    threshold also stops glibc from raising it dynamically after the first big free. The same
+    values are exported as ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_`` for the
+    forkserver; ``mallopt`` here makes sure they hold in this process.
+    """
+    if mmap_threshold_bytes is None or platform.system() != "Linux":
+        return "default"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
+        ok &= libc.mallopt(_M_TRIM_THRESHOLD, int(mmap_threshold_bytes)) == 1
+    except OSError as e:  # not glibc
+        return f"default (mallopt unavailable: {e})"
+    return f"mmap/trim threshold {mmap_threshold_bytes} B" if ok else "default (mallopt refused)"
+
+
+class RSS:
+    """Process RSS and its high-water mark, resettable through ``/proc/self/clear_refs``."""
+
+    def __init__(self) -> None:
+        self.page_bytes = os.sysconf("SC_PAGE_SIZE")
+        self.can_reset = self._try_reset()
+        self.method = ("VmHWM after clear_refs=5" if self.can_reset else "ru_maxrss (process lifetime)")
+
+    @staticmethod
+    def _try_reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return RSS._status_kib("VmHWM") is not None
+        except OSError:
+            return False
+
+    @staticmethod
+    def _status_kib(key: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def current(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self.page_bytes
+        except OSError:
+            import psutil
+
+            return psutil.Process().memory_info().rss
+
+    def reset_peak(self) -> None:
+        if self.can_reset:
+            self._try_reset()
+
+    def peak(self) -> int:
+        if self.can_reset:
+            return self._status_kib("VmHWM") * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
