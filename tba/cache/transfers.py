@@ -158,8 +158,13 @@ class Transfers(TransferWorkers):
         except Exception as exc:  # re-raised on the training thread, never swallowed
             token, failure = None, exc
         if token is None and failure is None:
-            with self.lock:  # no room now: a worker stores it
-                if entry.wanted:
+            with self.lock:  # no room now: a worker stores it, under the same backpressure
+                if not entry.wanted:
+                    self.inflight_bytes -= entry.nbytes
+                    if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
+                        self._wait_for_room(entry.nbytes)
+                    self.inflight_bytes += entry.nbytes
+                if entry.wanted:  # backward came meanwhile (another thread's)
                     self._cancel_store(entry)
                     return
                 entry.state = State.QUEUED

@@ -183,3 +183,26 @@ def test_a_second_thread_waits_for_an_inline_load_and_gets_the_same_bytes() -> N
         engine.drop(entry)
         engine.close([])
         offloader.close()
+
+
+def test_stores_sent_back_to_the_workers_keep_the_in_flight_bound() -> None:
+    """When ``store_now`` has no room, the store goes to the workers under the same
+    backpressure as any other: with ``max_inflight_bytes=1`` each store starts with nothing
+    else queued or running."""
+    offloader = ThreadRecordingHost()
+    offloader.refuse_now = True
+    seen: list[tuple[int, int]] = []
+    model = models.Stack(num_blocks=3)
+    with tba.configure_tensor_cache(model, **options(offloader, max_inflight_bytes=1)) as cache:
+        engine = cache._engine
+        real_store = offloader.store
+
+        def store(src):
+            seen.append((engine.inflight_bytes, src.numel()))
+            return real_store(src)
+
+        offloader.store = store
+        for step in range(2):
+            model(models.vector_batch(step)).backward()
+    assert len(seen) > 10
+    assert all(inflight == n for inflight, n in seen), seen
