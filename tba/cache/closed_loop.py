@@ -8,7 +8,9 @@ each has ``num_samples`` samples. The overhead is the median, over adjacent (kee
 pairs, of the offload step's time over the keep step's, minus 1: pairing cancels slow drift of
 the machine (other processes, clocks), the median a single disturbed step. When the pairs
 disagree by more than twice ``max_step_overhead`` (a loaded machine), pairs are added, up to
-``MAX_SAMPLES``, before the loop judges. If the overhead is within ``max_step_overhead``, ``c``
+``MAX_SAMPLES``; if they still disagree, other processes' load (which only ever adds time)
+dominates the pairs, and the overhead is taken from each kind's fastest step instead (the
+least disturbed one; the cache's own transfers slow every offloading step, the fastest too). If the overhead is within ``max_step_overhead``, ``c``
 stands. Otherwise the
 overhead is taken as proportional to the bytes offloaded, the largest boundary whose bytes fit
 the allowed overhead is measured next, and so on down to keeping every block. Conditions are
@@ -175,14 +177,20 @@ class OverheadLoop:
     def _judge(self) -> int:
         keep_s, offload_s = _median(self._keep), _median(self._offload)
         ratios = self._ratios()
-        overhead = _median(ratios)
+        noisy = self._noisy()
+        if noisy:
+            fastest_keep = min(self._keep)
+            overhead = min(self._offload) / fastest_keep - 1.0 if fastest_keep > 0 else 0.0
+            how = f"fastest steps {overhead:+.1%}: the pairs disagree"
+        else:
+            overhead = _median(ratios)
+            how = f"median of {len(ratios)} paired ratios {overhead:+.1%}"
         self.keep_s, self.offload_s, self.overhead = keep_s, offload_s, overhead
         c = self.candidate
         measured = (
             f"step {offload_s * 1e3:.1f} ms offloading blocks [0, {c}) vs {keep_s * 1e3:.1f} ms "
             f"keeping every block (medians of {len(self._offload)} and {len(self._keep)}; "
-            f"median of {len(ratios)} paired ratios {overhead:+.1%}, spread "
-            f"{min(ratios):+.1%} to {max(ratios):+.1%})"
+            f"{how}, pairs spread {min(ratios):+.1%} to {max(ratios):+.1%})"
         )
         if overhead <= self.max_overhead + 1e-9:  # inclusive, whatever the rounding
             return self._settle(c, f"closed loop: {measured} <= max_step_overhead "
@@ -198,7 +206,7 @@ class OverheadLoop:
                                    "exceed it: keep every block")
         logger.info("tba adaptive: %s > %.0f%%: measuring blocks [0, %d)", measured,
                     self.max_overhead * 100, n)
-        return self._probe(n, f"blocks [0, {c}) cost {overhead:+.1%}")
+        return self._probe(n, f"{measured} > max_step_overhead {self.max_overhead:.0%}")
 
     def _settle(self, n: int, reason: str) -> int:
         self.probing = False

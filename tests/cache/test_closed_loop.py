@@ -69,22 +69,28 @@ def test_paired_ratios_cancel_a_slowdown_mid_check() -> None:
 
 
 def test_disagreeing_pairs_get_more_samples() -> None:
-    # Pairs reading +20%, -10%, +2% disagree by 30% > 2 x 5%: more pairs, up to 5 here; the
-    # fourth and fifth agree with the third, and the median of all five (+2%) stands.
+    # Pairs reading +20%, -10%, +2% disagree by 30% > 2 x 5%: more pairs, up to 5 here. They
+    # still disagree: the fastest steps decide (keep 0.8 s, offload 0.9 s: +12.5% > 5%).
     loop = OverheadLoop(0.05, num_samples=3, max_samples=5)
     at = loop.start(4, [10] * 5)
+    keep = iter([1.0, 1.0, 1.0, 0.8, 1.0])
     offload = iter([1.2, 0.9, 1.02, 1.02, 1.02])
     ran = []
-    while loop.probing:
+    while loop.probing and len(ran) < 10:
         ran.append(at)
-        at = loop.observe(at, 1.0 if at == 0 else next(offload))
-    assert ran == [0, 4] * 5 and at == 4
-    assert loop.overhead == pytest.approx(0.02)
-    assert "median of 5 paired ratios +2.0%, spread -10.0% to +20.0%" in loop.reason
-    # Pairs that agree: judged after 3.
+        at = loop.observe(at, next(keep) if at == 0 else next(offload))
+    assert ran == [0, 4] * 5 and at == 0  # backs off: a keep step, then blocks [0, 1)
+    assert loop.overhead == pytest.approx(0.125)
+    assert "fastest steps +12.5%: the pairs disagree, pairs spread -10.0% to +27.5%" in loop.reason
+    # One disturbed pair (+15%) among pairs reading +2%: more pairs, then the fastest steps
+    # (keep 1.0 s, offload 1.02 s: +2%) stand.
     loop = OverheadLoop(0.05, num_samples=3, max_samples=5)
-    assert _measure(loop, loop.start(4, [10] * 5), {0: 1.0, 4: 1.02}, 6)[-1] == 4
-    assert not loop.probing and "median of 3 paired ratios" in loop.reason
+    at = loop.start(4, [10] * 5)
+    for seconds in (1.0, 1.15, 1.0, 1.02, 1.0, 1.02, 1.0, 1.02, 1.0):
+        at = loop.observe(at, seconds)
+        assert loop.probing
+    assert loop.observe(4, 1.02) == 4 and not loop.probing
+    assert loop.overhead == pytest.approx(0.02)
 
 
 def test_back_off_bound_is_inclusive() -> None:
@@ -234,7 +240,7 @@ def test_contention_reported_in_decision() -> None:
     assert decision.tail_start == 1 and cache.boundary.tail_start == 1, str(decision)
     assert decision.step_overhead == pytest.approx(0.03, abs=0.005)
     # (+3.1%: the embedding's input is offloaded too, outside the blocks)
-    assert re.search(r"paired ratios \+3\.\d%, spread .*\) <= max_step_overhead 5%", str(decision)), str(decision)
+    assert re.search(r"paired ratios \+3\.\d%, pairs spread .*\) <= max_step_overhead 5%", str(decision)), str(decision)
 
 
 def test_max_step_overhead_none_is_the_rule_alone() -> None:
