@@ -16,7 +16,9 @@ from typing import Any
 from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.entries import Entry, State
 from tba.cache.profiler_ranges import transfer_range
+from tba.cache.streams import PAGE_BYTES
 from tba.errors import OffloadIOError
+from tba.offloaders.cpu_time import TransferCPU
 
 __all__ = ["TransferWorkers"]
 
@@ -78,10 +80,11 @@ class TransferWorkers:
                     continue
                 entry.state = State.STORING
             src = storage_bytes(storage)
+            page_offset = src.data_ptr() % PAGE_BYTES
             start = time.perf_counter()
-            token, failure = None, None
+            token, failure, cpu = None, None, TransferCPU()
             try:
-                with transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
+                with cpu, transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
                     token = self.offloader.store(src)
             except Exception as exc:  # re-raised on the training thread, never swallowed
                 failure = exc
@@ -96,6 +99,7 @@ class TransferWorkers:
             del storage
             release = None
             with self.cond:
+                self.step.io_cpu_s += cpu.seconds
                 self.inflight_bytes -= entry.nbytes
                 if entry.state is State.DROPPED:
                     self._orphan_store_bytes -= entry.nbytes
@@ -107,6 +111,7 @@ class TransferWorkers:
                 elif failure is not None:
                     self._store_failed(entry, failure)
                 else:
+                    entry.page_offset = page_offset
                     self.step.num_offloaded += 1
                     self.step.offloaded_bytes += entry.nbytes
                     self.step.write_s += elapsed
@@ -221,13 +226,14 @@ class TransferWorkers:
                     continue
                 token = entry.token
             start = time.perf_counter()
-            dst, event, failure = None, None, None
+            dst, event, failure, cpu = None, None, None, TransferCPU()
             try:
-                # Note [Reload buffers on the consumer's stream]
-                dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event)
-                with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
-                    self.offloader.load(token, dst)
-                    event = self.streams.loaded_event(entry.device)
+                with cpu:
+                    # Note [Reload buffers on the consumer's stream]
+                    dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event, entry.page_offset)
+                    with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
+                        self.offloader.load(token, dst)
+                        event = self.streams.loaded_event(entry.device)
             except Exception as exc:  # re-raised on the training thread by fetch()
                 failure = exc
             end = time.perf_counter()
@@ -235,6 +241,7 @@ class TransferWorkers:
             self.trace.span("load", start, end, bytes=entry.nbytes, ok=failure is None)
             release = None
             with self.cond:
+                self.step.io_cpu_s += cpu.seconds
                 if entry.state is State.DROPPED:
                     self._orphan_load_bytes -= entry.nbytes
                     release, entry.token = entry.token, None

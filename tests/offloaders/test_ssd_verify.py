@@ -51,7 +51,7 @@ def tamper_case(off, kind):
     except OffloadIOError as e:
         extent = token.extents[0]
         result = {{"raised": str(e), "path_ok": e.path == extent.slab.path,
-                  "offset_ok": e.offset == extent.file_offset, "bytes": e.num_bytes}}
+                  "offset_ok": e.offset == extent.data_offset, "bytes": e.num_bytes}}
     else:
         result = {{"raised": None, "equal": bool(torch.equal(out, src))}}
     off.release(token)
@@ -190,7 +190,7 @@ def test_load_of_a_freed_and_reused_extent_raises(tmp_path: Path, verify: str) -
         assert second.extents[0].file_offset == extent.file_offset
         with pytest.raises(OffloadIOError, match="freed and given to another tensor") as info:
             off.load(first, torch.empty(8192, dtype=torch.uint8))
-        assert info.value.path == extent.slab.path and info.value.offset == extent.file_offset
+        assert info.value.path == extent.slab.path and info.value.offset == extent.data_offset
         off.release(first)  # must not free the second tensor's extent
         third = off.store(torch.zeros(8192, dtype=torch.uint8))
         assert third.extents[0].file_offset != extent.file_offset
