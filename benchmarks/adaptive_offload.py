@@ -65,7 +65,7 @@ def run(args: argparse.Namespace, mode: str) -> dict:
     # the cache's own io_cpu_s, per GB moved (offloaded + reloaded).
     cpu_before, total_before = {}, None
     with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=(args.device,),
-                                    min_offload_bytes=0, adaptive=adaptive,
+                                    min_offload_bytes=0, adaptive=adaptive, verify=args.verify,
                                     max_inflight_bytes=int(args.max_inflight_mib * 2**20)) as cache:
         for step in range(args.steps):
             if step == args.warmup:
@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--offloader", default="host", choices=["host", "ssd"])
+    p.add_argument("--verify", default="checksum", choices=["checksum", "none"], help="ssd: verified reloads")
     p.add_argument("--write-mib-s", type=float, default=400.0, help="0: unthrottled")
     p.add_argument("--max-inflight-mib", type=float, default=8.0,
                    help="max_inflight_bytes: how far stores may fall behind before forward waits")
