@@ -4,6 +4,7 @@ threads included; zero when nothing moves."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,49 @@ def test_stats_text_shows_io_cpu() -> None:
     stats = CacheStats(num_steps=1, offloaded_bytes=10**9, reloaded_bytes=10**9, io_cpu_s=0.5).merged(CacheStats())
     assert stats.io_cpu_s_per_gb == pytest.approx(0.25)
     assert "I/O CPU       500.0 ms on transfer threads, 0.250 s per GB moved" in str(stats)
+
+
+class _BurningOffloader:
+    """Keeps bytes in memory and spends exactly-at-least ``burn_s`` of CPU per store and load."""
+
+    name = "burning"
+
+    def __init__(self, burn_s: float) -> None:
+        self.burn_s = burn_s
+        self.num_stores = self.num_loads = 0
+
+    def _burn(self) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < self.burn_s:
+            pass
+
+    def store(self, src: torch.Tensor) -> torch.Tensor:
+        self._burn()
+        self.num_stores += 1
+        return src.clone()
+
+    def load(self, token: torch.Tensor, dst: torch.Tensor) -> None:
+        self._burn()
+        self.num_loads += 1
+        dst.copy_(token)
+
+    def release(self, token: torch.Tensor) -> None:
+        pass
+
+    def reserve(self, num_bytes: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_both_stores_and_loads_are_counted() -> None:
+    offloader = _BurningOffloader(burn_s=0.005)
+    cache = run_twins(
+        lambda: models.Stack(num_blocks=2, width=64), models.vector_batch, steps=3, settle=True,
+        offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0, adaptive=False,
+        keep_last_modules=0, prefetch_modules=0,
+    )
+    total = assert_bytes_moved(cache)
+    assert offloader.num_stores > 0 and offloader.num_loads > 0
+    assert total.io_cpu_s >= offloader.burn_s * (offloader.num_stores + offloader.num_loads)

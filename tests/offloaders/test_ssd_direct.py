@@ -7,6 +7,7 @@ bytes is caught."""
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,16 @@ class _Memory:
         self._map = mmap.mmap(-1, num_bytes)
         self.tensor = torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8))
         assert self.tensor.data_ptr() % _PAGE == 0
+
+
+def _require_o_direct(directory: Path) -> None:
+    probe = directory / "o_direct_probe"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600))
+    except OSError:
+        pytest.skip(f"the filesystem of {directory} refuses O_DIRECT")
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def _recording(engine) -> list[tuple[str, int, int, int]]:
@@ -78,6 +89,7 @@ def test_every_alignment_round_trips_bit_exact_and_the_interior_goes_straight(
     tmp_path: Path, case: str, verify: str
 ) -> None:
     phase, num_bytes = _CASES[case]
+    _require_o_direct(tmp_path)
     off = SSDOffloader(dirs=(str(tmp_path),), engine="posix", slab_bytes=8 * _MiB, chunk_bytes=1 * _MiB,
                        verify=verify)
     memory = _Memory(num_bytes + 2 * _PAGE)
@@ -88,8 +100,7 @@ def test_every_alignment_round_trips_bit_exact_and_the_interior_goes_straight(
         calls = _recording(off._engine)
         token = off.store(src)
         handle = token.extents[0].slab.handle
-        if handle.direct_fd is None:
-            pytest.skip("this filesystem refuses O_DIRECT")
+        assert handle.direct_fd is not None, "an O_DIRECT transfer failed and the file fell back"
         assert token.extents[0].data_offset % _PAGE == phase  # Note [Direct windows]
         dst = host_buffer(num_bytes, phase)
         off.load(token, dst)
