@@ -1,4 +1,4 @@
-"""Checksums of offloaded bytes, computed with torch ops on the device the bytes are on.
+"""Checksums of offloaded bytes, computed where the bytes are: torch ops on a GPU, numpy on the host.
 
 Note [Checksum choice]: the digest of a byte range is built from its 512-byte blocks (the sector
 size). Each block is read as 64 little-endian int64 words and summed (``R_i``, modulo 2**64);
@@ -8,7 +8,7 @@ zero-padded. Why this and not a CRC or xxHash:
 - It runs where the bytes are. Under GPUDirect Storage a reload lands in GPU memory and never
   passes through host memory, so a host checksum would need an extra device-to-host copy; two
   reductions on the tensor's own device cost nothing next to the drive (GPU memory moves TB/s).
-  The CPU tests run exactly this code.
+  The CPU tests run this code too (and the host's numpy version, Note [Checksum threads]).
 - It is fast on the host too. Measured on the 2-core development machine (256 MiB, median of 5,
   torch 2.13.0 CPU): these sums 24 GB/s on 2 threads (12 GB/s on one), xxh3_64 (python-xxhash
   4.1.0) 13 GB/s, crc32c 2.9 13 GB/s, zlib.crc32 2.2 GB/s. So no dependency is needed.
