@@ -223,7 +223,7 @@ def _big_batch(seed: int) -> torch.Tensor:
 def test_training_with_direct_windows_is_bit_exact(tmp_path: Path) -> None:
     """3 Adam steps with every store completed before backward: stores and reloads of the CPU
     activations move their page-aligned interiors straight between tensor memory and the file
-    (reload buffers at the stored page offset), and training stays bit-exact, verified."""
+    (Note [Reload buffers at the source's page offset]), and training stays bit-exact, verified."""
     from tests import models
     from tests.twin import assert_bytes_moved, run_twins
 
