@@ -158,7 +158,7 @@ def format_summary(
     header = (
         f"{'step':>5} {'offloaded MiB':>13} {'reloaded MiB':>12} {'kept MiB':>9} {'fwd':>5} "
         f"{'dedup':>5} {'write GB/s':>10} {'read GB/s':>9} {'stall ms':>8} {'peak MiB':>9} "
-        f"{'offloaded blocks':>16} {'I/O CPU ms':>10}"
+        f"{'I/O CPU ms':>10} {'offloaded blocks':>16}"
     )
     lines = [header, "-" * len(header)]
     for number, s, tail_start in rows:
@@ -169,8 +169,8 @@ def format_summary(
             f"{number:>5} {s.offloaded_bytes / mib:>13.1f} {s.reloaded_bytes / mib:>12.1f} "
             f"{s.kept_bytes / mib:>9.1f} {s.num_forwarded:>5} {s.num_deduplicated:>5} "
             f"{s.write_bytes_per_s / 1e9:>10.2f} {s.read_bytes_per_s / 1e9:>9.2f} "
-            f"{s.stall_s * 1e3:>8.1f} {s.peak_resident_bytes / mib:>9.1f} {blocks:>16} "
-            f"{s.io_cpu_s * 1e3:>10.1f}"
+            f"{s.stall_s * 1e3:>8.1f} {s.peak_resident_bytes / mib:>9.1f} {s.io_cpu_s * 1e3:>10.1f} "
+            f"{blocks:>16}"
         )
     if not rows:
         lines.append("(no completed step yet)")
