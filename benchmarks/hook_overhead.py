@@ -5,8 +5,10 @@ A model of many tiny ops saves thousands of small tensors; each variant's step i
 difference to the step without hooks is divided by the tensors it packed. Times are CPU time of
 the whole process (``time.process_time``: the training thread and tba's transfer threads), so a
 busy shared machine inflates them less than wall time; wall times are reported beside. tba's costs are
-printed as ratios to the bare hooks' cost (the floor any saved-tensor hook pays). A second
-model with 1 MiB tensors checks that large tensors do not get slower.
+printed as ratios to the bare hooks' cost (the floor any saved-tensor hook pays). "python floor"
+is the least a Python entry table can do per saved tensor (``MinimalTable``: a stamp dict, a
+detached alias, a handle with ``__del__``, a lock per hook): what tba's own bookkeeping is
+measured against. A second model with 1 MiB tensors checks that large tensors do not get slower.
 
     python benchmarks/hook_overhead.py                      # defaults, prints and writes JSON
     python benchmarks/hook_overhead.py --ops 400 --repeats 15 --out results/hook_overhead.json
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -59,6 +63,74 @@ def bare_hooks() -> Iterator[None]:
         yield
 
 
+class _MinimalEntry:
+    __slots__ = ("stamp", "alias", "version", "refs")
+
+
+class _MinimalHandle:
+    __slots__ = ("entry", "table")
+
+    def __init__(self, entry: _MinimalEntry, table: MinimalTable) -> None:
+        self.entry, self.table = entry, table
+
+    def __del__(self) -> None:
+        self.table.release(self.entry)
+
+
+class MinimalTable:
+    """The least any Python implementation of tba's bookkeeping does per saved tensor, as a
+    reference floor (not a usable cache): identity by a storage stamp in a dict, a detached
+    alias (for the version check and to hand back), a handle whose ``__del__`` counts the
+    reference down, a lock round trip at pack, unpack and release. No scopes, no parameters,
+    no transfers, no statistics."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, _MinimalEntry] = {}
+        self.lock = threading.Lock()
+        self.stamps = itertools.count(1)
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        if not tensor.is_cpu or (tensor.requires_grad and tensor.is_leaf):
+            return (tensor, tensor._version)
+        storage = tensor.untyped_storage()
+        stamp = getattr(storage, "_floor_stamp", None)
+        if stamp is None:
+            stamp = next(self.stamps)
+            storage._floor_stamp = stamp  # type: ignore[attr-defined]
+        with self.lock:
+            entry = self.entries.get(stamp)
+            if entry is None:
+                entry = _MinimalEntry()
+                entry.stamp, entry.alias, entry.version, entry.refs = stamp, tensor.detach(), tensor._version, 1
+                self.entries[stamp] = entry
+            else:
+                entry.refs += 1
+        return _MinimalHandle(entry, self)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        if type(packed) is tuple:
+            return packed[0]
+        entry = packed.entry  # type: ignore[attr-defined]
+        with self.lock:
+            alias = entry.alias
+        if alias._version != entry.version:
+            raise RuntimeError("modified in place")
+        return alias
+
+    def release(self, entry: _MinimalEntry) -> None:
+        with self.lock:
+            entry.refs -= 1
+            if not entry.refs:
+                del self.entries[entry.stamp]
+
+
+@contextlib.contextmanager
+def minimal_table() -> Iterator[None]:
+    table = MinimalTable()
+    with torch.autograd.graph.saved_tensors_hooks(table.pack, table.unpack):
+        yield
+
+
 def measure(
     blocks: int, ops: int, width: int, repeats: int
 ) -> dict[str, dict[str, float]]:
@@ -89,6 +161,7 @@ def measure(
         "no hooks": run_plain(contextlib.nullcontext),
         "bare hooks": run_plain(bare_hooks),
         "save_on_cpu": run_plain(torch.autograd.graph.save_on_cpu),
+        "python floor": run_plain(minimal_table),
         "tba none": run_tba("none"),
         "tba host": run_tba("host"),
     }
@@ -137,10 +210,11 @@ def report(label: str, rows: dict[str, dict[str, float]]) -> list[str]:
     for name, row in rows.items():
         if name.startswith("_"):
             continue
-        ratio = f"  ({row['per_tensor_us'] / bare:.1f}x bare hooks)" if name.startswith("tba") and bare > 0 else ""
+        ratio = (f"  ({row['per_tensor_us'] / bare:.1f}x bare hooks)"
+                 if (name.startswith("tba") or name == "python floor") and bare > 0 else "")
         extra = (f"; {row['per_offloaded_tensor_us']:.1f} us per offloaded tensor"
                  if "per_offloaded_tensor_us" in row else "")
-        lines.append(f"  {name:<12} step {row['step_s'] * 1e3:8.2f} ms CPU "
+        lines.append(f"  {name:<13} step {row['step_s'] * 1e3:8.2f} ms CPU "
                      f"({row['step_wall_s'] * 1e3:8.2f} ms wall)  "
                      f"{row['per_tensor_us']:7.2f} us/tensor{ratio}{extra}")
     return lines

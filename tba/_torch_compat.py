@@ -65,7 +65,7 @@ def release_alias(alias: torch.Tensor) -> None:
     in-place ops bump the counter, so no thread ever sees a transient version change (autograd
     checks that a pack hook leaves its input's version alone)."""
     with torch._C._AutoDispatchBelowADInplaceOrView():
-        alias.set_(alias.new_empty(0))
+        alias.set_()  # an empty storage of the same dtype and device
 
 
 def in_functorch_transform() -> bool:

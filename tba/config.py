@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TensorCacheConfig"]
 
-_OFFLOADER_NAMES = ("host", "ssd", "none")
+_OFFLOADER_NAMES = ("host", "ssd", "host+ssd", "none")
 _SSD_ENGINES = ("auto", "kvikio", "posix")
 _VERIFY_MODES = ("checksum", "none")
 _IO_ERROR_MODES = ("raise", "keep")
@@ -28,7 +28,8 @@ class TensorCacheConfig:
 
     Attributes:
         offloader: where offloaded activations go: ``"host"`` (pinned host pool on CUDA,
-            pageable memory on CPU), ``"ssd"``, ``"none"`` (keep everything in memory and only
+            pageable memory on CPU), ``"ssd"``, ``"host+ssd"`` (host memory up to
+            ``host_budget_bytes``, the rest to SSD), ``"none"`` (keep everything in memory and only
             account: the "keep" baseline), or an object implementing
             :class:`tba.offloaders.Offloader`.
         offload_devices: device types whose saved tensors the cache manages and offloads.
@@ -55,8 +56,11 @@ class TensorCacheConfig:
             ``adaptive`` is on.
         on_io_error: ``"raise"`` raises :class:`tba.OffloadIOError` in the training step;
             ``"keep"`` keeps the tensor in memory, warns once and carries on.
-        ssd_dirs: directories for ``offloader="ssd"`` (tensors are striped across them), as
-            ``str`` or path-like; ``None`` uses ``TBA_SSD_DIR`` or the system temp dir.
+        host_budget_bytes: with ``offloader="host+ssd"`` (and only then; required there): most
+            bytes of activations held in host memory at once; what does not fit goes to SSD
+            (``tba.offloaders.TieredOffloader``).
+        ssd_dirs: directories for ``offloader="ssd"`` or ``"host+ssd"`` (tensors are striped
+            across them), as ``str`` or path-like; ``None`` uses ``TBA_SSD_DIR`` or the system temp dir.
         ssd_engine: ``"auto"``, ``"kvikio"`` (GPUDirect Storage or its compat mode) or
             ``"posix"``.
         verify: ``"checksum"``: every reload from SSD is checked against a checksum taken when
@@ -72,7 +76,7 @@ class TensorCacheConfig:
         1
     """
 
-    offloader: Literal["host", "ssd", "none"] | Offloader = "host"
+    offloader: Literal["host", "ssd", "host+ssd", "none"] | Offloader = "host"
     offload_devices: tuple[str, ...] = ("cuda",)
     min_offload_bytes: int = 1 << 20
     keep_last_modules: int = 1
@@ -85,6 +89,7 @@ class TensorCacheConfig:
     adaptive: bool = True
     profile_step: int = 2
     on_io_error: Literal["raise", "keep"] = "raise"
+    host_budget_bytes: int | None = None
     ssd_dirs: tuple[str, ...] | None = None
     ssd_engine: Literal["auto", "kvikio", "posix"] = "auto"
     verify: Literal["checksum", "none"] = "checksum"
@@ -156,6 +161,19 @@ class TensorCacheConfig:
             out.append(f"adaptive={self.adaptive!r}: expected True or False")
         if self.on_io_error not in _IO_ERROR_MODES:
             out.append(f"on_io_error={self.on_io_error!r}: expected one of {_IO_ERROR_MODES}")
+        budget = self.host_budget_bytes
+        if budget is not None and (not _is_int(budget) or budget <= 0):
+            out.append(f"host_budget_bytes={budget!r}: expected None or a positive integer (bytes)")
+        if self.offloader == "host+ssd" and budget is None:
+            out.append(
+                "offloader='host+ssd' needs host_budget_bytes: the most bytes held in host memory "
+                "before tensors spill to SSD (e.g. host_budget_bytes=16 << 30)"
+            )
+        elif budget is not None and self.offloader != "host+ssd":
+            out.append(
+                f"host_budget_bytes={budget!r} is used only by offloader='host+ssd', but offloader="
+                f"{getattr(self.offloader, 'name', self.offloader)!r}: use 'host+ssd' or drop host_budget_bytes"
+            )
         if self.ssd_dirs is not None and (
             not isinstance(self.ssd_dirs, tuple)
             or not self.ssd_dirs

@@ -42,7 +42,7 @@ class Entry:
     __slots__ = (
         "stamp", "family", "version", "alias", "geometry", "reloaded", "device",
         "nbytes", "data", "state", "token", "refs", "event", "load_event", "load_done", "error",
-        "wanted", "offload", "scope", "page_offset",
+        "wanted", "offload", "scope", "inline", "page_offset",
     )
 
     def __init__(
@@ -78,6 +78,7 @@ class Entry:
         self.wanted = False  # backward is near: keep the bytes in memory once a store finishes
         self.offload = offload
         self.scope = scope  # the scope that saved it first, for error messages
+        self.inline = False  # stored on the training thread: loaded where unpacked (Note [Small transfers inline])
         # The stored bytes' address modulo the page: host reload buffers get the same (Note
         # [Reload buffers at the source's page offset]).
         self.page_offset = 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["CacheStats", "format_bytes", "format_summary"]
+from tba.offloaders.tier_stats import TierStats, merge_tiers
+
+__all__ = ["CacheStats", "format_bytes", "format_placement", "format_summary"]
 
 
 @dataclasses.dataclass
@@ -44,11 +46,13 @@ class CacheStats:
         num_record_stream: reloaded tensors consumed on a stream other than the one their
             buffer was allocated on (``record_stream`` needed; Note [Reload buffers on the
             consumer's stream]).
-        io_cpu_s: CPU seconds the transfers took from the host: the store and load workers'
-            own CPU time in the offloader's ``store`` and ``load`` (reload buffers included),
-            plus what the offloader's own I/O threads charged to them (the SSD posix engine's
-            pool). What offloading costs the cores that also compute; see
-            :attr:`io_cpu_s_per_gb`.
+        io_cpu_s: CPU seconds the transfers took from the host: the CPU time of the threads
+            running the offloader's ``store`` and ``load`` (the workers, or the training thread
+            for small inline transfers; reload buffers included), plus what the offloader's
+            own I/O threads charged to them (the SSD posix engine's pool). What offloading
+            costs the cores that also compute; see :attr:`io_cpu_s_per_gb`.
+        tiers: per tier of a tiered offloader (``"host+ssd"``: ``"host"`` and ``"ssd"``), what
+            it stored and held (:class:`tba.offloaders.TierStats`); empty otherwise.
     """
 
     num_steps: int = 0
@@ -75,13 +79,17 @@ class CacheStats:
     # Busy time of completed transfers, the denominators of the two rates above.
     write_s: float = 0.0
     read_s: float = 0.0
+    tiers: dict[str, TierStats] = dataclasses.field(default_factory=dict)
 
     def merged(self, other: CacheStats) -> CacheStats:
         """Totals of two stats (peaks take the maximum, rates are recomputed)."""
         out = CacheStats()
         for field in dataclasses.fields(CacheStats):
             a, b = getattr(self, field.name), getattr(other, field.name)
-            setattr(out, field.name, max(a, b) if field.name == "peak_resident_bytes" else a + b)
+            if field.name == "tiers":
+                out.tiers = merge_tiers(a, b)
+            else:
+                setattr(out, field.name, max(a, b) if field.name == "peak_resident_bytes" else a + b)
         out.finish_rates()
         return out
 
@@ -124,6 +132,12 @@ class CacheStats:
         ]
         if self.num_io_errors:
             lines.append(f"  I/O errors {self.num_io_errors}")
+        for name, tier in self.tiers.items():
+            lines.append(
+                f"  tier {name:<5} {format_bytes(tier.stored_bytes):>10} in {tier.num_stored} stores, "
+                f"peak held {format_bytes(tier.peak_held_bytes)}"
+                + ("" if tier.budget_bytes is None else f" of budget {format_bytes(tier.budget_bytes)}")
+            )
         return "\n".join(lines)
 
 
@@ -149,10 +163,12 @@ def format_summary(
     num_blocks: int,
     decision: object,
     note: str | None = None,
+    tiers: dict[str, TierStats] | None = None,
 ) -> str:
     """The table behind ``TensorCache.summary()``: one line per (step number, stats, number of
     blocks the policy offloaded), then the adaptive decision and ``note`` (why nothing was
-    offloaded) if any. A step that wrote nothing shows "none" in the blocks column, whatever
+    offloaded) if any, and where a tiered offloader put tensors over all steps (``tiers``). A
+    step that wrote nothing shows "none" in the blocks column, whatever
     the policy was."""
     mib = 2**20
     header = (
@@ -176,6 +192,45 @@ def format_summary(
         lines.append("(no completed step yet)")
     if decision is not None:
         lines.append(f"adaptive: {decision}")
+    placement = format_placement(tiers or {})
+    if placement is not None:
+        lines.append(placement)
     if note is not None:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def format_placement(tiers: dict[str, TierStats]) -> str | None:
+    """One line saying where a tiered offloader put tensors and why (None without tiers): the
+    first tier, its peak against its budget, and what spilled to the next ones.
+
+    Example:
+        >>> print(format_placement({
+        ...     "host": TierStats(num_stored=3, stored_bytes=3 << 20, peak_held_bytes=2 << 20,
+        ...                       budget_bytes=2 << 20, num_over_budget=1),
+        ...     "ssd": TierStats(num_stored=1, stored_bytes=1 << 20, peak_held_bytes=1 << 20)}))
+        placement: host held up to 2.0 MiB of its 2.0 MiB budget (3 tensors, 3.0 MiB stored); 1.0 MiB in 1 tensor spilled to ssd because the host tier was full (1 would have taken it past its budget)
+    """
+    if not tiers:
+        return None
+    names = list(tiers)
+    first, rest = tiers[names[0]], names[1:]
+    budget = "" if first.budget_bytes is None else f" of its {format_bytes(first.budget_bytes)} budget"
+    line = (
+        f"placement: {names[0]} held up to {format_bytes(first.peak_held_bytes)}{budget} "
+        f"({_tensors(first.num_stored)}, {format_bytes(first.stored_bytes)} stored)"
+    )
+    spilled = [(name, tiers[name]) for name in rest if tiers[name].num_stored]
+    if not spilled:
+        return line + "; nothing spilled" + (f" to {', '.join(rest)}" if rest else "")
+    reasons = []
+    if first.num_over_budget:
+        reasons.append(f"{first.num_over_budget} would have taken it past its budget")
+    if first.num_no_room:
+        reasons.append(f"{first.num_no_room} found no contiguous room in its pool within the budget")
+    parts = [f"{format_bytes(s.stored_bytes)} in {_tensors(s.num_stored)} spilled to {name}" for name, s in spilled]
+    return f"{line}; {', '.join(parts)} because the {names[0]} tier was full ({'; '.join(reasons)})"
+
+
+def _tensors(count: int) -> str:
+    return f"{count} tensor" + ("" if count == 1 else "s")

@@ -35,6 +35,7 @@ from tba.cache.transfers import Transfers
 from tba.config import TensorCacheConfig
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
+from tba.offloaders.tier_stats import take_tier_stats
 
 __all__ = ["TensorCache", "StageHint"]
 
@@ -132,7 +133,9 @@ class TensorCache:
         """Counters of the last completed step, or totals over all steps with ``cumulative``."""
         self._raise_violation()
         with self._stats_lock:
-            return dataclasses.replace(self._steps.total if cumulative else self._steps.last)
+            out = dataclasses.replace(self._steps.total if cumulative else self._steps.last)
+            out.tiers = {name: dataclasses.replace(tier) for name, tier in out.tiers.items()}
+            return out
 
     @property
     def adaptive_decision(self) -> BoundaryDecision | None:
@@ -145,8 +148,9 @@ class TensorCache:
         deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded."""
         with self._stats_lock:
             rows = list(self._steps.history)[-last:]
+            tiers = self._steps.total.tiers
         return format_summary(rows, self.num_blocks, self.boundary.decision,
-                              self._diagnosis.warning)
+                              self._diagnosis.warning, tiers)
 
     def export_trace(self, path: str) -> int:
         """Write the last completed step's store, load and stall events as Chrome-trace JSON
@@ -253,6 +257,7 @@ class TensorCache:
         hooks = self._hooks
         step.num_captured, hooks.num_captured = hooks.num_captured, 0
         step.num_record_stream, hooks.num_record_stream = hooks.num_record_stream, 0
+        step.tiers = take_tier_stats(self.offloader)
         with self._stats_lock:
             self._steps.finish(step, engine.peak_held_bytes)
         diagnosis = self._diagnosis

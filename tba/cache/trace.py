@@ -6,7 +6,6 @@ import json
 import os
 import threading
 import time
-from typing import Any
 
 __all__ = ["TraceRecorder"]
 
@@ -14,32 +13,30 @@ _MAX_EVENTS_PER_STEP = 1_000_000
 
 
 class TraceRecorder:
-    """Collects the events of the running step and keeps those of the last completed one."""
+    """Collects the events of the running step and keeps those of the last completed one.
+
+    Recording is on the transfer hot path (every store and load), so an event is kept as a
+    tuple appended to a list (atomic under the GIL, no lock) and turned into Chrome-trace JSON
+    only by ``export``.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
-        self._events: list[dict[str, Any]] = []
-        self._last: list[dict[str, Any]] = []
+        # (name, start, end, thread id, bytes, ok)
+        self._events: list[tuple[str, float, float, int, int, bool]] = []
+        self._last: list[tuple[str, float, float, int, int, bool]] = []
         self._threads: dict[int, str] = {}
 
-    def _add(self, event: dict[str, Any]) -> None:
-        thread = threading.current_thread()
-        event["pid"] = os.getpid()
-        event["tid"] = thread.ident
-        with self._lock:
-            self._threads.setdefault(thread.ident or 0, thread.name)
-            if len(self._events) < _MAX_EVENTS_PER_STEP:
-                self._events.append(event)
-
-    def span(self, name: str, start: float, end: float, **args: Any) -> None:
-        """A complete event from ``start`` to ``end`` (``time.perf_counter`` seconds)."""
-        self._add({"name": name, "cat": "tba", "ph": "X", "ts": (start - self._origin) * 1e6,
-                   "dur": (end - start) * 1e6, "args": args})
-
-    def instant(self, name: str, **args: Any) -> None:
-        self._add({"name": name, "cat": "tba", "ph": "i", "s": "t",
-                   "ts": (time.perf_counter() - self._origin) * 1e6, "args": args})
+    def span(self, name: str, start: float, end: float, nbytes: int, ok: bool = True) -> None:
+        """A complete event from ``start`` to ``end`` (``time.perf_counter`` seconds) that
+        moved (or waited for) ``nbytes``; ``ok`` is False for a failed transfer."""
+        tid = threading.get_ident()
+        if tid not in self._threads:
+            self._threads[tid] = threading.current_thread().name
+        events = self._events
+        if len(events) < _MAX_EVENTS_PER_STEP:
+            events.append((name, start, end, tid, nbytes, ok))
 
     def end_step(self) -> None:
         with self._lock:
@@ -49,11 +46,18 @@ class TraceRecorder:
         """Write the last completed step (or the running one, before any completed) as
         Chrome-trace JSON; returns the number of events written."""
         with self._lock:
-            events = list(self._last or self._events)
+            recorded = list(self._last or self._events)
             threads = dict(self._threads)
+        pid = os.getpid()
         meta = [
-            {"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid, "args": {"name": name}}
+            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
             for tid, name in threads.items()
+        ]
+        events = [
+            {"name": name, "cat": "tba", "ph": "X", "pid": pid, "tid": tid,
+             "ts": (start - self._origin) * 1e6, "dur": (end - start) * 1e6,
+             "args": {"bytes": nbytes} if name == "stall" else {"bytes": nbytes, "ok": ok}}
+            for name, start, end, tid, nbytes, ok in recorded
         ]
         with open(path, "w") as f:
             json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, f)

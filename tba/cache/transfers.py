@@ -10,12 +10,13 @@ import collections
 import logging
 import threading
 import time
+from time import thread_time  # not through ``time``: tests swap that module's clock
 from typing import Any
 
 import torch
 
 from tba.cache.entries import HOLDS_DATA, Entry, State
-from tba.cache.profiler_ranges import LoadDone
+from tba.cache.profiler_ranges import LoadDone, transfer_range
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
@@ -34,6 +35,18 @@ logger = logging.getLogger(__name__)
 # unit boundary and at the end of forward), backpressure, ``wait_for_stores`` and close wake
 # them for whatever is queued.
 _WAKE_BYTES = 1 << 20
+
+# Note [Small transfers inline]: a store or load handed to a worker thread costs a wake-up and,
+# worse, GIL hand-offs: every torch call on either thread releases the GIL, so a running worker
+# and the training thread trade it at each op (tens of microseconds per small tensor on a 2-core
+# machine, measured by benchmarks/hook_overhead.py), while copying a few KiB between CPU buffers
+# takes under a microsecond. A CPU storage of at most this many bytes is therefore stored on
+# the training thread at pack time when the offloader can take it at once
+# (``store_now(storage)`` returns a token, or None to go through the workers: no room without
+# allocating, a reserve pending, a non-CPU storage), and read back by whoever unpacks it. CUDA
+# storages always go through the workers (their copies wait on streams). The entry's state
+# machine and counters are the same as for a worker's transfer: only the thread differs.
+INLINE_MAX_BYTES = 64 << 10
 _DEAD_POLL_S = 0.5  # how often a waiting unpack checks that the load workers are alive
 
 
@@ -60,10 +73,17 @@ class Transfers(TransferWorkers):
         trace: TraceRecorder,
     ) -> None:
         self.offloader = offloader
+        self._store_now = getattr(offloader, "store_now", None)
         self.trace = trace
         self.streams = streams
         self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
+        # Three conditions on the one lock, so that a finished transfer wakes only those
+        # waiting for one (backpressure, wait_for_stores, an inline load of another thread),
+        # never idle workers: a woken worker costs GIL hand-offs with the training thread.
+        self.cond = threading.Condition(self.lock)  # a transfer finished, an error, room
+        self._store_ready = threading.Condition(self.lock)  # store workers: a store or reserve
+        self._load_ready = threading.Condition(self.lock)  # load workers: a load queued
+        self._num_waiting = 0  # threads waiting on ``cond``
         self._num_threads = {"store": num_store_threads, "load": num_load_threads}
         self._max_inflight_bytes = max_inflight_bytes
         self._keep_on_error = on_io_error == "keep"
@@ -91,41 +111,81 @@ class Transfers(TransferWorkers):
 
     # ----------------------------------------------------------------- training thread side
     def add(self, entry: Entry) -> None:
-        """A new entry holding data; queue its store if it is to be offloaded."""
-        with self.cond:
+        """A new entry holding data; queue its store if it is to be offloaded (or store it now:
+        Note [Small transfers inline])."""
+        inline = False
+        with self.lock:
             self.resident_bytes += entry.nbytes
             if entry.offload and self.offloader is not None:
-                if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
-                    self._wait_for_room(entry.nbytes)
-                entry.state = State.QUEUED
-                self.inflight_bytes += entry.nbytes
-                self._store_q.append(entry)
-                self._unwoken_bytes += entry.nbytes
-                if not self._threads:
-                    self._start_workers()
-                if self._unwoken_bytes >= _WAKE_BYTES:
-                    self._unwoken_bytes = 0
-                    self.cond.notify_all()
+                if (
+                    self._store_now is not None
+                    and entry.nbytes <= INLINE_MAX_BYTES
+                    and entry.device.type == "cpu"
+                ):
+                    entry.state = State.STORING
+                    self.inflight_bytes += entry.nbytes
+                    inline = True
+                else:
+                    if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
+                        self._wait_for_room(entry.nbytes)
+                    entry.state = State.QUEUED
+                    self.inflight_bytes += entry.nbytes
+                    self._store_q.append(entry)
+                    self._unwoken_bytes += entry.nbytes
+                    if not self._threads:
+                        self._start_workers()
+                    if self._unwoken_bytes >= _WAKE_BYTES:
+                        self._unwoken_bytes = 0
+                        self._store_ready.notify_all()
             else:
                 self.step.kept_bytes += entry.nbytes
             if self.resident_bytes > self.step.peak_resident_bytes:
                 self.step.peak_resident_bytes = self.resident_bytes
+        if inline:
+            self._store_inline(entry)
         if self.error is not None:
             self.raise_pending()
+
+    def _store_inline(self, entry: Entry) -> None:
+        """Note [Small transfers inline] (no lock held, the entry is STORING): ``store_now``,
+        or the worker queue when the offloader cannot take it at once."""
+        storage = entry.data
+        assert storage is not None
+        start, cpu_start = time.perf_counter(), thread_time()
+        failure = None
+        try:
+            with transfer_range("store", entry):
+                token = self._store_now(storage)
+        except Exception as exc:  # re-raised on the training thread, never swallowed
+            token, failure = None, exc
+        if token is None and failure is None:
+            with self.lock:  # no room now: a worker stores it
+                if entry.wanted:
+                    self._cancel_store(entry)
+                    return
+                entry.state = State.QUEUED
+                self._store_q.append(entry)
+                self._unwoken_bytes += entry.nbytes
+                if not self._threads:
+                    self._start_workers()
+            return
+        entry.inline = True
+        cpu_s = thread_time() - cpu_start  # CacheStats.io_cpu_s: on this thread only
+        self._finish_store(entry, storage, token, failure, start, time.perf_counter(), cpu_s)
 
     def flush(self) -> None:
         """Wake the workers for stores queued since they were last woken (Note [Batched
         hand-offs])."""
         if self._unwoken_bytes:
-            with self.cond:
+            with self.lock:
                 self._unwoken_bytes = 0
-                self.cond.notify_all()
+                self._store_ready.notify_all()
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Backpressure (lock held): wait until the in-flight stores leave room for
         ``nbytes``. A store error ends the wait; it is raised by the caller."""
         self._unwoken_bytes = 0
-        self.cond.notify_all()
+        self._store_ready.notify_all()
         start = time.perf_counter()
         while (
             self.inflight_bytes > 0
@@ -133,12 +193,12 @@ class Transfers(TransferWorkers):
             and self.error is None
             and self.dead is None
         ):
-            self.cond.wait(0.1)
+            self._wait_done(0.1)
         self.step.store_wait_s += time.perf_counter() - start
 
     def keep(self, entry: Entry, data: torch.UntypedStorage) -> None:
         """Backward will want ``entry`` soon and ``data`` is its storage: keep it in memory."""
-        with self.cond:
+        with self.lock:
             if entry.state is State.QUEUED:
                 self._cancel_store(entry)
             elif entry.state is State.STORING:
@@ -153,11 +213,12 @@ class Transfers(TransferWorkers):
         """``prefetch`` each of ``entries``, in order, under one lock round trip."""
         if not entries:
             return
-        with self.cond:
+        with self.lock:
             for entry in entries:
                 state = entry.state
                 if state is State.STORED:
-                    self._queue_load(entry)
+                    if not entry.inline:  # those load where unpacked (Note [Small transfers inline])
+                        self._queue_load(entry)
                 elif state is State.QUEUED:
                     self._cancel_store(entry)
                 elif state is State.STORING:
@@ -168,32 +229,45 @@ class Transfers(TransferWorkers):
 
         Returns the storage and the load event to consume (None if it was not read).
         """
-        with self.cond:
+        with self.lock:
             state = entry.state
             if state in HOLDS_DATA:
                 if state is State.QUEUED:
                     self._cancel_store(entry)
                 elif state is State.STORING:
                     entry.wanted = True
-                if entry.load_done is None:  # never read back: served from memory
+                if entry.load_done is None and not entry.reloaded:  # served from memory
                     self.step.num_forwarded += 1
                 assert entry.data is not None
                 return entry.data, entry.load_event
+            token = None
             if state is State.STORED:
-                self.step.num_sync_loads += 1
-                self._queue_load(entry)
+                if entry.inline:  # Note [Small transfers inline]
+                    entry.state = State.LOADING
+                    token = entry.token
+                else:
+                    self.step.num_sync_loads += 1
+                    self._queue_load(entry)
             elif state is State.DROPPED:
                 raise AssertionError("tba bug: unpack of a dropped entry")
+            elif entry.load_done is None:  # another thread loads it inline
+                while entry.state is State.LOADING:
+                    self._wait_done(_DEAD_POLL_S)
             done = entry.load_done
-        assert done is not None
-        start = time.perf_counter()
-        while not done.wait(_DEAD_POLL_S):
-            if self.dead is not None:
-                raise self.dead
-        end = time.perf_counter()
-        self.trace.span("stall", start, end, bytes=entry.nbytes)
-        with self.cond:
-            self.step.stall_s += end - start
+        if token is not None:
+            return self._run_load(entry, token)
+        if done is None:
+            return self.fetch(entry)  # the other thread's inline load finished (or failed)
+        else:
+            start = time.perf_counter()
+            while not done.wait(_DEAD_POLL_S):
+                if self.dead is not None:
+                    raise self.dead
+            end = time.perf_counter()
+            self.trace.span("stall", start, end, entry.nbytes)
+            with self.lock:
+                self.step.stall_s += end - start
+        with self.lock:
             if entry.error is not None:
                 error, entry.error = entry.error, None
                 raise error
@@ -203,7 +277,7 @@ class Transfers(TransferWorkers):
     def drop(self, entry: Entry) -> None:
         """Every handle of ``entry`` died: give back its memory, queue slot or offloader space."""
         token = None
-        with self.cond:
+        with self.lock:
             state = entry.state
             entry.state = State.DROPPED
             if state in HOLDS_DATA:
@@ -213,7 +287,7 @@ class Transfers(TransferWorkers):
             if state is State.QUEUED:
                 self.step.num_cancelled += 1
                 self.inflight_bytes -= entry.nbytes
-                self.cond.notify_all()
+                self._notify_done()
             elif state in (State.STORED, State.READY):
                 token, entry.token = entry.token, None
                 self._pending_releases += 1
@@ -233,9 +307,9 @@ class Transfers(TransferWorkers):
             TBAError: stores are still in flight after ``timeout_s`` seconds.
         """
         deadline = time.monotonic() + timeout_s
-        with self.cond:
+        with self.lock:
             self._unwoken_bytes = 0
-            self.cond.notify_all()
+            self._store_ready.notify_all()
             while (
                 (self.inflight_bytes > 0 or self._reserve_bytes)
                 and self.error is None
@@ -248,7 +322,7 @@ class Transfers(TransferWorkers):
                         f"{timeout_s:g} s; the offloader "
                         f"{getattr(self.offloader, 'name', None)!r} is stuck or very slow"
                     )
-                self.cond.wait(remaining)
+                self._wait_done(remaining)
         self.raise_pending()
 
     def reserve_later(self, nbytes: int) -> None:
@@ -256,17 +330,17 @@ class Transfers(TransferWorkers):
         store (loads go first): never on the autograd thread, never under a lock (pinning
         gigabytes or preallocating files takes time). A failure is raised in the training
         step."""
-        with self.cond:
+        with self.lock:
             self._reserve_bytes = nbytes
             self._start_workers()
-            self.cond.notify_all()
+            self._store_ready.notify_all()
 
     def set_error(self, error: BaseException) -> None:
         """Raise ``error`` at the next hook on the training thread (unless one is pending)."""
-        with self.cond:
+        with self.lock:
             if self.error is None:
                 self.error = error
-            self.cond.notify_all()
+            self._notify_done()
 
     def raise_pending(self) -> None:
         """Raise a store error from a worker on the calling (training) thread, once; and, on
@@ -274,7 +348,7 @@ class Transfers(TransferWorkers):
         if self.dead is not None:
             raise self.dead
         if self.error is not None:
-            with self.cond:
+            with self.lock:
                 error, self.error = self.error, None
                 self.raised_this_step = error is not None  # Note [One store error per step]
             if error is not None:
@@ -285,7 +359,7 @@ class Transfers(TransferWorkers):
 
     def take_step(self) -> CacheStats:
         """The counters since the last call (one step), and start new ones."""
-        with self.cond:
+        with self.lock:
             step, self.step = self.step, CacheStats()
             self.step.peak_resident_bytes = self.resident_bytes
             self.raised_this_step = False
@@ -305,14 +379,14 @@ class Transfers(TransferWorkers):
         try:
             self.offloader.release(token)
         finally:
-            with self.cond:
+            with self.lock:
                 self._pending_releases -= 1
 
     def check(self, entries: list[Entry]) -> list[str]:
         """Invariants of a finished step, as readable problems (empty when all hold):
         counters equal what ``entries`` (the live ones) hold, nothing in flight when no entry
         is, the offloader holds exactly what the entries' tokens say."""
-        with self.cond:
+        with self.lock:
             problems = []
             resident = sum(e.nbytes for e in entries if e.state in HOLDS_DATA)
             inflight = self._orphan_store_bytes + sum(
@@ -341,14 +415,33 @@ class Transfers(TransferWorkers):
         self.inflight_bytes -= entry.nbytes
         self.step.num_cancelled += 1
         self.step.kept_bytes += entry.nbytes
+        self._notify_done()
+
+    def _notify_done(self) -> None:
+        """A transfer finished, room was made or an error came (lock held): wake whoever
+        waits for that (``notify_all`` is Python code: skipped when nobody waits)."""
+        if self._num_waiting:
+            self.cond.notify_all()
+
+    def _wait_done(self, timeout: float) -> None:
+        """Wait (lock held) for ``_notify_done`` or ``timeout`` seconds."""
+        self._num_waiting += 1
+        try:
+            self.cond.wait(timeout)
+        finally:
+            self._num_waiting -= 1
+
+    def _notify_everyone(self) -> None:
         self.cond.notify_all()
+        self._store_ready.notify_all()
+        self._load_ready.notify_all()
 
     def _queue_load(self, entry: Entry) -> None:
         entry.state = State.LOADING
         entry.load_done = LoadDone(entry.scope)  # Note [Profiler ranges]: waits are stalls
         self._load_q.append(entry)
         self._start_workers()
-        self.cond.notify_all()
+        self._load_ready.notify()
 
     def _start_workers(self) -> None:
         if self._threads:
@@ -377,21 +470,21 @@ class Transfers(TransferWorkers):
             )
             dead.__cause__ = exc
             logger.error("%s", dead, exc_info=exc)
-            with self.cond:
+            with self.lock:
                 if self.dead is None:
                     self.dead = dead
                 if self.error is None:
                     self.error = dead  # the hooks' one-attribute check sees it
-                self.cond.notify_all()
+                self._notify_everyone()
 
     # ----------------------------------------------------------------- shutdown
     def close(self, entries: list[Entry]) -> None:
         """Stop the workers (a running transfer finishes first) and release every entry."""
-        with self.cond:
+        with self.lock:
             self._stopping = True
             self._store_q.clear()
             self._load_q.clear()
-            self.cond.notify_all()
+            self._notify_everyone()
         for thread in self._threads:
             thread.join()
         self._threads.clear()

@@ -13,6 +13,8 @@ import time
 import warnings
 from typing import Any
 
+import torch
+
 from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.entries import Entry, State
 from tba.cache.profiler_ranges import transfer_range
@@ -33,10 +35,15 @@ class TransferWorkers:
     """Worker-thread methods of ``Transfers`` (a mixin: state lives in ``Transfers``)."""
 
     cond: Any
+    lock: Any
+    _notify_done: Any
+    _store_ready: Any
+    _load_ready: Any
     offloader: Any
     streams: Any
     trace: Any
     step: Any
+    _store_now: Any
     error: BaseException | None
     raised_this_step: bool
 
@@ -57,11 +64,11 @@ class TransferWorkers:
     def _store_worker(self) -> None:
         assert self.offloader is not None
         while True:
-            with self.cond:
+            with self.lock:
                 while not self._stopping and (not self._store_q or self._load_q):
                     if self._reserve_bytes and not self._load_q:
                         break
-                    self.cond.wait()
+                    self._store_ready.wait()
                 if self._stopping:
                     return
                 if self._reserve_bytes and not self._load_q:
@@ -79,67 +86,84 @@ class TransferWorkers:
                     self._resized(entry)
                     continue
                 entry.state = State.STORING
-            src = storage_bytes(storage)
-            page_offset = src.data_ptr() % PAGE_BYTES
-            start = time.perf_counter()
-            token, failure, cpu = None, None, TransferCPU()
-            try:
-                with cpu, transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
-                    token = self.offloader.store(src)
-            except Exception as exc:  # re-raised on the training thread, never swallowed
-                failure = exc
-            end = time.perf_counter()
-            elapsed = end - start
-            self.trace.span("store", start, end, bytes=entry.nbytes, ok=failure is None)
-            del src
-            if failure is None and storage.nbytes() != entry.nbytes:
-                # Freed or resized while the copy ran: the stored bytes may be garbage. The
-                # token is given back and the entry kept (as an unmanaged save would be).
-                failure = _Resized()
-            del storage
-            release = None
-            with self.cond:
-                self.step.io_cpu_s += cpu.seconds
-                self.inflight_bytes -= entry.nbytes
+            self._run_store(entry, storage, event)
+
+    def _run_store(self, entry: Entry, storage: Any, event: Any) -> None:
+        """On a store worker, no lock held, the entry STORING: copy ``storage`` out."""
+        assert self.offloader is not None
+        start = time.perf_counter()
+        src = storage_bytes(storage)
+        token, failure, cpu = None, None, TransferCPU()
+        try:
+            with cpu, transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
+                token = self.offloader.store(src)
+        except Exception as exc:  # re-raised on the training thread, never swallowed
+            failure = exc
+        end = time.perf_counter()
+        del src
+        self._finish_store(entry, storage, token, failure, start, end, cpu.seconds)
+        failure = None  # see _finish_store
+
+    def _finish_store(
+        self, entry: Entry, storage: Any, token: Any, failure: BaseException | None,
+        start: float, end: float, cpu_s: float,
+    ) -> None:
+        """Account for a finished store (no lock held on entry) that took ``cpu_s`` of CPU: on
+        a store worker, or on the training thread after an inline one (Note [Small transfers
+        inline])."""
+        elapsed = end - start
+        self.trace.span("store", start, end, entry.nbytes, failure is None)
+        if failure is None and storage.nbytes() != entry.nbytes:
+            # Freed or resized while the copy ran: the stored bytes may be garbage. The
+            # token is given back and the entry kept (as an unmanaged save would be).
+            failure = _Resized()
+        # Note [Reload buffers at the source's page offset]
+        page_offset = storage.data_ptr() % PAGE_BYTES if storage.device.type == "cpu" else 0
+        del storage
+        release = None
+        with self.lock:
+            self.step.io_cpu_s += cpu_s
+            self.inflight_bytes -= entry.nbytes
+            if entry.state is State.DROPPED:
+                self._orphan_store_bytes -= entry.nbytes
+            if isinstance(failure, _Resized):
+                if token is not None:
+                    release = token
+                    self._pending_releases += 1
+                self._resized(entry, running=True)
+            elif failure is not None:
+                self._store_failed(entry, failure)
+            else:
+                self.step.num_offloaded += 1
+                self.step.offloaded_bytes += entry.nbytes
+                self.step.write_s += elapsed
+                self.held_bytes += entry.nbytes
+                if self.held_bytes > self.peak_held_bytes:
+                    self.peak_held_bytes = self.held_bytes
                 if entry.state is State.DROPPED:
-                    self._orphan_store_bytes -= entry.nbytes
-                if isinstance(failure, _Resized):
-                    if token is not None:
-                        release = token
-                        self._pending_releases += 1
-                    self._resized(entry, running=True)
-                elif failure is not None:
-                    self._store_failed(entry, failure)
+                    release = token
+                    self._pending_releases += 1
+                    self.held_bytes -= entry.nbytes
                 else:
                     entry.page_offset = page_offset
-                    self.step.num_offloaded += 1
-                    self.step.offloaded_bytes += entry.nbytes
-                    self.step.write_s += elapsed
-                    self.held_bytes += entry.nbytes
-                    self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-                    if entry.state is State.DROPPED:
-                        release = token
-                        self._pending_releases += 1
-                        self.held_bytes -= entry.nbytes
+                    alias = entry.alias
+                    if entry.wanted:
+                        entry.token, entry.state = token, State.READY
                     else:
-                        alias = entry.alias
-                        if entry.wanted:
-                            entry.token, entry.state = token, State.READY
-                        else:
-                            entry.token, entry.state = token, State.STORED
-                            entry.data = None
-                            self.resident_bytes -= entry.nbytes
-                            if alias is not None:
-                                # Keep the alias: it still sees the family's version counter
-                                # (Note [Saved-version check]), but no longer its memory.
-                                entry.remember_geometry()
-                                release_alias(alias)
-                self.cond.notify_all()
-            # An exception kept in a local until the next store would keep its traceback,
-            # hence the failed step's tensors, alive while the worker idles.
-            failure = None
-            if release is not None:
-                self._release(release)
+                        entry.token, entry.state = token, State.STORED
+                        entry.data = None
+                        self.resident_bytes -= entry.nbytes
+                        if alias is not None:
+                            # Keep the alias: it still sees the family's version counter
+                            # (Note [Saved-version check]), but no longer its memory.
+                            entry.remember_geometry()
+                            release_alias(alias)
+            self._notify_done()
+        # An exception kept in a local until the next store would keep its traceback,
+        # hence the failed step's tensors, alive while the worker idles.
+        failure = None
+        if release is not None:
+            self._release(release)
 
     def _reserve_now(self, nbytes: int) -> None:
         """On the store worker, lock held on entry and exit (released around the call)."""
@@ -153,7 +177,7 @@ class TransferWorkers:
             failure = None
         finally:
             self.cond.acquire()
-            self.cond.notify_all()  # wait_for_stores waits for this too
+            self._notify_done()  # wait_for_stores waits for this too
         if failure is not None:
             self.step.num_io_errors += 1
             if self.error is None:
@@ -174,7 +198,7 @@ class TransferWorkers:
         hold), its store is dropped, and the user is told once."""
         if not running:
             self.inflight_bytes -= entry.nbytes
-            self.cond.notify_all()
+            self._notify_done()
         if entry.state is not State.DROPPED:
             entry.state = State.KEPT
             self.step.kept_bytes += entry.nbytes
@@ -216,52 +240,77 @@ class TransferWorkers:
     def _load_worker(self) -> None:
         assert self.offloader is not None
         while True:
-            with self.cond:
+            with self.lock:
                 while not self._stopping and not self._load_q:
-                    self.cond.wait()
+                    self._load_ready.wait()
                 if self._stopping:
                     return
                 entry = self._load_q.popleft()
                 if entry.state is not State.LOADING:
                     continue
                 token = entry.token
-            start = time.perf_counter()
-            dst, event, failure, cpu = None, None, None, TransferCPU()
-            try:
-                with cpu:
+            self._run_load(entry, token)
+
+    def _run_load(self, entry: Entry, token: Any) -> tuple[Any, Any]:
+        """Read ``entry`` back (no lock held; the entry is LOADING) and account for the result:
+        on a load worker, or on the thread that wants it for a small CPU entry (Note [Small
+        transfers inline]). Returns what ``Transfers.fetch`` returns (the storage and its load
+        event); raises the load's error (the worker ignores both: the unpack that waits gets
+        them from the entry)."""
+        assert self.offloader is not None
+        done = entry.load_done
+        start = time.perf_counter()
+        dst, event, failure, cpu = None, None, None, TransferCPU()
+        try:
+            with cpu:
+                if entry.inline:
+                    dst = torch.empty(entry.nbytes, dtype=torch.uint8)
+                    with transfer_range("load", entry):
+                        self.offloader.load(token, dst)
+                else:
                     # Note [Reload buffers on the consumer's stream]
                     dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event, entry.page_offset)
                     with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
                         self.offloader.load(token, dst)
                         event = self.streams.loaded_event(entry.device)
-            except Exception as exc:  # re-raised on the training thread by fetch()
-                failure = exc
-            end = time.perf_counter()
-            elapsed = end - start
-            self.trace.span("load", start, end, bytes=entry.nbytes, ok=failure is None)
-            release = None
-            with self.cond:
-                self.step.io_cpu_s += cpu.seconds
-                if entry.state is State.DROPPED:
-                    self._orphan_load_bytes -= entry.nbytes
-                    release, entry.token = entry.token, None
-                    self._pending_releases += 1
-                    self.held_bytes -= entry.nbytes
-                elif failure is not None:
-                    entry.error = self._fail(entry, "load", failure)
-                    entry.state = State.STORED  # a later unpack may try again
-                else:
-                    entry.data, entry.load_event = dst.untyped_storage(), event
-                    entry.reloaded = True
-                    entry.state = State.READY
-                    self.resident_bytes += entry.nbytes
-                    self.step.reloaded_bytes += entry.nbytes
-                    self.step.read_s += elapsed
-                    self._note_peak()
-                done = entry.load_done
-                self.cond.notify_all()
-            assert done is not None
+        except Exception as exc:  # re-raised on the training thread by fetch()
+            failure = exc
+        end = time.perf_counter()
+        elapsed = end - start
+        self.trace.span("load", start, end, entry.nbytes, failure is None)
+        release = error = None
+        with self.lock:
+            self.step.io_cpu_s += cpu.seconds
+            if entry.state is State.DROPPED:
+                self._orphan_load_bytes -= entry.nbytes
+                release, entry.token = entry.token, None
+                self._pending_releases += 1
+                self.held_bytes -= entry.nbytes
+            elif failure is not None:
+                error = self._fail(entry, "load", failure)
+                entry.state = State.STORED  # a later unpack may try again
+                if done is not None:  # else an inline load: raised below, to who wants it
+                    entry.error = error
+            else:
+                entry.data, entry.load_event = dst.untyped_storage(), event
+                entry.reloaded = True
+                entry.state = State.READY
+                self.resident_bytes += entry.nbytes
+                self.step.reloaded_bytes += entry.nbytes
+                self.step.read_s += elapsed
+                self._note_peak()
+            data, event = entry.data, entry.load_event
+            self._notify_done()
+            if self._store_q and not self._load_q:
+                self._store_ready.notify_all()  # stores wait while loads are queued
+        if done is not None:
             done.set()
-            failure = dst = None  # see the store worker
-            if release is not None:
-                self._release(release)
+        failure = dst = None  # see _run_store
+        if release is not None:
+            self._release(release)
+        if error is not None and done is None:
+            try:
+                raise error
+            finally:
+                error = None
+        return data, event

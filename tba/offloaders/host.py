@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 
+import ctypes
 import logging
 import threading
 
-import numpy as np
 import torch
 
-from tba.offloaders._byte_views import bytes_view
+from tba.errors import TBAError
 from tba.offloaders._stream_wait import wait_for_stream
 
 from tba.offloaders.extents import ExtentAllocator
@@ -57,6 +57,9 @@ class HostOffloader:
 
     Args:
         pool_bytes: preallocate this much up front (per memory kind) instead of growing.
+        max_pool_bytes: never hold more host memory than this (both memory kinds together,
+            rounded up to 512 bytes): a store that finds no room within it raises ``TBAError``
+            (:meth:`try_store` returns None instead). None: the pool grows as needed.
         allocator: where host memory comes from (tests inject one with a fake pinner).
 
     Example:
@@ -67,10 +70,18 @@ class HostOffloader:
 
     name = "host"
 
-    def __init__(self, pool_bytes: int = 0, *, allocator: HostAllocator | None = None) -> None:
+    def __init__(
+        self, pool_bytes: int = 0, *, max_pool_bytes: int | None = None, allocator: HostAllocator | None = None
+    ) -> None:
+        problems = []
         if pool_bytes < 0:
-            raise ValueError(f"pool_bytes must be >= 0, got {pool_bytes}")
+            problems.append(f"pool_bytes must be >= 0, got {pool_bytes}")
+        if max_pool_bytes is not None and max_pool_bytes <= 0:
+            problems.append(f"max_pool_bytes must be None or > 0, got {max_pool_bytes}")
+        if problems:
+            raise ValueError("; ".join(problems))
         self._initial_bytes = pool_bytes
+        self._max_bytes = None if max_pool_bytes is None else _aligned(max_pool_bytes)
         self._allocator = allocator if allocator is not None else HostAllocator()
         self._lock = threading.Lock()
         # One pool per memory kind wanted: pinned (for CUDA sources) and pageable (CPU sources).
@@ -116,7 +127,9 @@ class HostOffloader:
                 return slab, offset
         return None
 
-    def _allocate(self, pinned: bool, num_bytes: int) -> tuple[_Slab, int]:
+    def _allocate(self, pinned: bool, num_bytes: int) -> tuple[_Slab, int] | None:
+        """An extent for ``num_bytes``, growing the pool if needed; None when ``max_pool_bytes``
+        leaves no room for it."""
         retired: list[_Slab] = []
         with self._lock:
             slabs = self._slabs[pinned]
@@ -131,6 +144,7 @@ class HostOffloader:
                 if found is not None:
                     return found
             capacity = sum(s.extents.capacity_bytes for s in slabs)
+            everything = sum(s.extents.capacity_bytes for kind in self._slabs.values() for s in kind)
         for slab in retired:
             slab.buffer.release()
         if reserve is not None:
@@ -138,26 +152,68 @@ class HostOffloader:
             logger.info("host pool sized to %d bytes from the profiled step", want)
         else:
             want = max(num_bytes, _MIN_SLAB_BYTES, capacity, self._initial_bytes if not capacity else 0)
-        want = (want + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+        want = _aligned(want)
+        if self._max_bytes is not None:
+            want = min(want, self._max_bytes - everything)
+            if want < max(_ALIGNMENT, _aligned(num_bytes)):
+                return None
         slab = self._new_slab(pinned, want)
         with self._lock:
             if self._closed:
                 slab.buffer.release()
                 raise RuntimeError("HostOffloader is closed")
-            self._slabs[pinned].append(slab)
+            capacity = sum(s.extents.capacity_bytes for kind in self._slabs.values() for s in kind)
+            room = self._max_bytes is None or want <= self._max_bytes - capacity
+            if room:
+                self._slabs[pinned].append(slab)
             found = self._take(pinned, num_bytes)
-        assert found is not None
+        if not room:
+            slab.buffer.release()  # another store grew the pool to max_pool_bytes meanwhile
+        assert found is not None or not room
         return found
 
     def store(self, src: torch.Tensor) -> _Token:
+        token = self.try_store(src)
+        if token is None:
+            raise TBAError(
+                f"host pool full: {src.numel()} bytes do not fit in max_pool_bytes={self._max_bytes} "
+                f"({self.used_bytes} bytes held); raise max_pool_bytes, offload less, or use "
+                "offloader='host+ssd' to spill the rest to SSD"
+            )
+        return token
+
+    def try_store(self, src: torch.Tensor) -> _Token | None:
+        """Like :meth:`store`, but None (nothing copied) when ``max_pool_bytes`` leaves no room."""
         wants_pinned = src.device.type == "cuda"
         num_bytes = src.numel()
-        slab, offset = self._allocate(wants_pinned, num_bytes)
+        found = self._allocate(wants_pinned, num_bytes)
+        if found is None:
+            return None
+        slab, offset = found
         buffer = slab.buffer
         assert buffer.tensor is not None
         _copy(buffer.tensor[offset : offset + num_bytes], src, non_blocking=buffer.pinned)
         if buffer.pinned:
             wait_for_stream(src.device)
+        return slab, offset, num_bytes
+
+    def store_now(self, storage: torch.UntypedStorage) -> _Token | None:
+        """Store a small CPU ``storage`` on the calling thread if the pageable pool has room
+        without growing (Note [Small transfers inline] in tba/cache/transfers.py); None leaves
+        it to ``store`` on a worker (no room, a reserve pending, or not a CPU storage)."""
+        if storage.device.type != "cpu":
+            return None
+        num_bytes = storage.nbytes()
+        with self._lock:
+            if self._closed or False in self._reserve_pending:
+                return None
+            found = self._take(False, num_bytes)
+        if found is None:
+            return None
+        slab, offset = found
+        host = slab.buffer.tensor
+        assert host is not None
+        ctypes.memmove(host.data_ptr() + offset, storage.data_ptr(), num_bytes)
         return slab, offset, num_bytes
 
     def load(self, token: _Token, dst: torch.Tensor) -> None:
@@ -166,6 +222,11 @@ class HostOffloader:
         host = buffer.tensor
         if host is None:
             raise RuntimeError("HostOffloader: load of a token whose memory was released (closed)")
+        if dst.device.type == "cpu" and not buffer.pinned:
+            if dst.numel() != num_bytes:
+                raise ValueError(f"HostOffloader: load of {num_bytes} bytes into {dst.numel()}")
+            ctypes.memmove(dst.data_ptr(), host.data_ptr() + offset, num_bytes)
+            return
         _copy(dst, host[offset : offset + num_bytes], non_blocking=buffer.pinned)
         if buffer.pinned and dst.device.type == "cuda":
             wait_for_stream(dst.device)
@@ -196,10 +257,17 @@ class HostOffloader:
             slab.buffer.release()
 
 
+def _aligned(num_bytes: int) -> int:
+    return (num_bytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:
-    """Byte copy; host-to-host goes through numpy, measured ~1.6x faster than torch's uint8
-    ``copy_`` on the 2-core development machines."""
+    """Byte copy of contiguous uint8 tensors; host-to-host is a plain ``memmove`` (torch's
+    uint8 ``copy_`` measured ~1.6x slower on the 2-core development machines, and building
+    numpy views costs microseconds per call)."""
     if dst.device.type == "cpu" and src.device.type == "cpu":
-        np.copyto(bytes_view(dst), bytes_view(src))
+        if dst.numel() != src.numel():
+            raise ValueError(f"byte copy of {src.numel()} bytes into {dst.numel()}")
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
     else:
         dst.copy_(src, non_blocking=non_blocking)

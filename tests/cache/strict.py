@@ -253,6 +253,8 @@ def strict_model(monkeypatch: Any) -> Iterator[list[str]]:
             lock = _OwnedLock()
             engine.lock = lock
             engine.cond = threading.Condition(lock)
+            engine._store_ready = threading.Condition(lock)
+            engine._load_ready = threading.Condition(lock)
             table_lock = _OwnedLock()
             self._table.lock = table_lock
             offloader.locks = [lock, table_lock]

@@ -185,7 +185,7 @@ def test_forward_that_saves_nothing_says_so() -> None:
 
 
 class _Clock:
-    """Stands in for the ``time`` module of the transfer workers: every reading is 1000 s
+    """Stands in for the ``time`` module of the transfer engine: every reading is 1000 s
     after the last, so every store seems to take 1000 s and the measured write bandwidth is a
     few bytes per second."""
 
@@ -198,9 +198,12 @@ class _Clock:
 
 
 def test_adaptive_keep_everything_names_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tba.cache.transfers as transfers
     import tba.cache.workers as workers
 
-    monkeypatch.setattr(workers, "time", _Clock())  # the workers time the stores
+    clock = _Clock()
+    monkeypatch.setattr(workers, "time", clock)  # the workers time the stores ...
+    monkeypatch.setattr(transfers, "time", clock)  # ... and the small ones stored inline
     model = models.Stack()
     with caught() as messages:
         # The embedding (before every block) is skipped so that "keep every block" keeps all.

@@ -103,3 +103,53 @@ def test_storing_leaves_the_source_resizable() -> None:
         off.release(token)
     finally:
         off.close()
+
+
+def test_max_pool_bytes_caps_the_pool() -> None:
+    import tba
+
+    off = HostOffloader(max_pool_bytes=3000)  # rounded up to 3072: six 512-byte extents
+    tokens = [off.store(torch.full((1000,), i, dtype=torch.uint8)) for i in range(3)]  # 1024 each
+    assert off.capacity_bytes == 3072 and off.try_store(torch.zeros(1, dtype=torch.uint8)) is None
+    with pytest.raises(tba.TBAError, match="max_pool_bytes=3072"):
+        off.store(torch.zeros(1, dtype=torch.uint8))
+    off.release(tokens[1])
+    token = off.try_store(torch.full((1024,), 7, dtype=torch.uint8))  # the freed extent, exactly
+    assert token is not None and token[1] == 1024
+    for t in (tokens[0], token, tokens[2]):
+        off.release(t)
+    off.reserve(1 << 20)  # a reservation past the cap is cut to it
+    token = off.store(torch.zeros(10, dtype=torch.uint8))
+    assert off.capacity_bytes == 3072
+    off.release(token)
+    off.close()
+    with pytest.raises(ValueError, match="max_pool_bytes must be None or > 0"):
+        HostOffloader(max_pool_bytes=0)
+
+
+@pytest.mark.parametrize("outer_bytes, fits", [(1024, True), (4096, False)])
+def test_max_pool_bytes_holds_when_another_store_grows_the_pool_meanwhile(outer_bytes: int, fits: bool) -> None:
+    from tba.offloaders.host_memory import HostAllocator, HostBuffer
+
+    class Racing(HostAllocator):
+        """The first slab allocation lets another store run first (as a second store thread would
+        while this one allocates without the pool's lock) and grow the pool to its cap."""
+
+        raced = False
+
+        def allocate(self, num_bytes: int, *, pinned: bool) -> HostBuffer:
+            if not self.raced:
+                self.raced = True
+                assert off.try_store(torch.ones(1024, dtype=torch.uint8)) is not None
+            return super().allocate(num_bytes, pinned=pinned)
+
+    off = HostOffloader(max_pool_bytes=4096, allocator=Racing())
+    src = torch.full((outer_bytes,), 3, dtype=torch.uint8)
+    token = off.try_store(src)
+    assert off.capacity_bytes == 4096  # the slab the racing store made; the second was given back
+    assert (token is not None) == fits
+    if token is not None:
+        out = torch.empty_like(src)
+        off.load(token, out)
+        assert torch.equal(out, src) and token[1] == 1024
+    off.close()
