@@ -142,3 +142,24 @@ def test_both_stores_and_loads_are_counted() -> None:
     total = assert_bytes_moved(cache)
     assert offloader.num_stores > 0 and offloader.num_loads > 0
     assert total.io_cpu_s >= offloader.burn_s * (offloader.num_stores + offloader.num_loads)
+
+
+class _BurningInlineOffloader(_BurningOffloader):
+    """Takes small CPU storages at once on the training thread (Note [Small transfers inline])."""
+
+    def store_now(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        self._burn()
+        self.num_stores += 1
+        return torch.empty(0, dtype=torch.uint8).set_(storage).clone()
+
+
+def test_inline_stores_and_loads_are_counted() -> None:
+    offloader = _BurningInlineOffloader(burn_s=0.005)
+    cache = run_twins(
+        lambda: models.Stack(num_blocks=2, width=64), models.vector_batch, steps=3, settle=True,
+        offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0, adaptive=False,
+        keep_last_modules=0, prefetch_modules=0,
+    )
+    total = assert_bytes_moved(cache)
+    assert offloader.num_stores > 0 and offloader.num_loads > 0
+    assert total.io_cpu_s >= offloader.burn_s * (offloader.num_stores + offloader.num_loads)
