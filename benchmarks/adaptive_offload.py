@@ -5,6 +5,8 @@ boundary keeps the later blocks in memory so the step stays fast.
 
     python benchmarks/adaptive_offload.py                            # CPU, 400 MiB/s writes
     python benchmarks/adaptive_offload.py --write-mib-s 0            # unthrottled host pool
+    python benchmarks/adaptive_offload.py --write-mib-s 0 --offloader ssd --batch 2048 \
+        --steps 12 --warmup 4                          # I/O CPU per GB moved (issue 14 item 0)
     python benchmarks/adaptive_offload.py --device cuda --width 2048 --batch 8192 --write-mib-s 0 \
         --max-inflight-mib 4096                                      # what gpu_suite.sh runs
     python benchmarks/adaptive_offload.py --table --out benchmarks/results/cpu/adaptive_table.json
@@ -25,6 +27,7 @@ from torch import nn
 import tba
 from tba.offloaders import Throttled
 from _environment import describe
+from _thread_cpu import tba_threads_cpu_s
 
 
 class Block(nn.Module):
@@ -55,16 +58,21 @@ def run(args: argparse.Namespace, mode: str) -> dict:
     if mode == "keep":
         offloader, adaptive = "none", False
     else:
-        offloader = "host"
+        offloader = args.offloader
         if args.write_mib_s:
-            offloader = Throttled("host", write_bytes_per_s=args.write_mib_s * 2**20,
+            offloader = Throttled(args.offloader, write_bytes_per_s=args.write_mib_s * 2**20,
                                   read_bytes_per_s=args.read_mib_s * 2**20)
         adaptive = mode == "adaptive"
     times, peaks = [], []
+    # I/O CPU over the measured steps: tba's threads' CPU clocks, and (where this tba has it)
+    # the cache's own io_cpu_s, per GB moved (offloaded + reloaded).
+    cpu_before, total_before = {}, None
     with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=(args.device,),
-                                    min_offload_bytes=0, adaptive=adaptive,
+                                    min_offload_bytes=0, adaptive=adaptive, verify=args.verify,
                                     max_inflight_bytes=int(args.max_inflight_mib * 2**20)) as cache:
         for step in range(args.steps):
+            if step == args.warmup:
+                cpu_before, total_before = tba_threads_cpu_s(), cache.stats(cumulative=True)
             if args.device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -77,6 +85,13 @@ def run(args: argparse.Namespace, mode: str) -> dict:
             times.append(time.perf_counter() - start)
         stats = cache.stats()
         tail = cache.boundary.tail_start
+        cpu_after, total_after = tba_threads_cpu_s(), cache.stats(cumulative=True)
+    moved = (total_after.offloaded_bytes + total_after.reloaded_bytes) - (
+        total_before.offloaded_bytes + total_before.reloaded_bytes if total_before else 0)
+    threads_cpu = sum(v - cpu_before.get(k, 0.0) for k, v in cpu_after.items())
+    io_cpu = getattr(total_after, "io_cpu_s", None)
+    if io_cpu is not None and total_before is not None:
+        io_cpu -= total_before.io_cpu_s
     warm = times[args.warmup:]
     return {
         "mode": mode,
@@ -87,7 +102,14 @@ def run(args: argparse.Namespace, mode: str) -> dict:
         "offloaded_bytes": stats.offloaded_bytes,
         "stall_s": stats.stall_s,
         "offloaded_blocks": 0 if mode == "keep" else tail,
+        "moved_bytes": moved,
+        "threads_cpu_s_per_gb": threads_cpu / (moved / 1e9) if moved else None,
+        "io_cpu_s_per_gb": io_cpu / (moved / 1e9) if moved and io_cpu is not None else None,
     }
+
+
+def _per_gb(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} s"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--offloader", default="host", choices=["host", "ssd"])
+    p.add_argument("--verify", default="checksum", choices=["checksum", "none"], help="ssd: verified reloads")
     p.add_argument("--write-mib-s", type=float, default=400.0, help="0: unthrottled")
     p.add_argument("--max-inflight-mib", type=float, default=8.0,
                    help="max_inflight_bytes: how far stores may fall behind before forward waits")
@@ -121,6 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['peak_resident_bytes'] / 2**20:7.1f} MiB "
               f"({row['peak_resident_bytes'] / max(keep['peak_resident_bytes'], 1):.2f}x keep)  "
               f"offloaded blocks {row['offloaded_blocks']}/{args.blocks}  stall {row['stall_s'] * 1e3:.1f} ms"
+              + (f"  I/O CPU {_per_gb(row['io_cpu_s_per_gb'])} (tba threads "
+                 f"{_per_gb(row['threads_cpu_s_per_gb'])}) per GB moved" if row["moved_bytes"] else "")
               + (f"  cuda peak {row['cuda_peak_bytes'] / 2**20:.0f} MiB "
                  f"({row['cuda_peak_bytes'] / max(keep['cuda_peak_bytes'], 1):.2f}x keep)"
                  if row["cuda_peak_bytes"] is not None else ""))

@@ -42,7 +42,7 @@ class Entry:
     __slots__ = (
         "stamp", "family", "version", "alias", "geometry", "reloaded", "device",
         "nbytes", "data", "state", "token", "refs", "event", "load_event", "load_done", "error",
-        "wanted", "offload", "scope", "inline",
+        "wanted", "offload", "scope", "inline", "page_offset",
     )
 
     def __init__(
@@ -79,6 +79,9 @@ class Entry:
         self.offload = offload
         self.scope = scope  # the scope that saved it first, for error messages
         self.inline = False  # stored on the training thread: loaded where unpacked (Note [Small transfers inline])
+        # The stored bytes' address modulo the page: host reload buffers get the same (Note
+        # [Reload buffers at the source's page offset]).
+        self.page_offset = 0
 
     def remember_geometry(self) -> tuple:
         """The first saver's (dtype, size, stride, offset), read from the alias (kept after the

@@ -46,6 +46,11 @@ class CacheStats:
         num_record_stream: reloaded tensors consumed on a stream other than the one their
             buffer was allocated on (``record_stream`` needed; Note [Reload buffers on the
             consumer's stream]).
+        io_cpu_s: CPU seconds the transfers took from the host: the CPU time of the threads
+            running the offloader's ``store`` and ``load`` (the workers, or the training thread
+            for small inline transfers; reload buffers included), plus what the offloader's
+            own I/O threads charged to them (the SSD posix engine's pool). What offloading
+            costs the cores that also compute; see :attr:`io_cpu_s_per_gb`.
         tiers: per tier of a tiered offloader (``"host+ssd"``: ``"host"`` and ``"ssd"``), what
             it stored and held (:class:`tba.offloaders.TierStats`); empty otherwise.
     """
@@ -70,6 +75,7 @@ class CacheStats:
     num_resized: int = 0
     num_captured: int = 0
     num_record_stream: int = 0
+    io_cpu_s: float = 0.0
     # Busy time of completed transfers, the denominators of the two rates above.
     write_s: float = 0.0
     read_s: float = 0.0
@@ -91,6 +97,12 @@ class CacheStats:
         self.write_bytes_per_s = self.offloaded_bytes / self.write_s if self.write_s > 0 else 0.0
         self.read_bytes_per_s = self.reloaded_bytes / self.read_s if self.read_s > 0 else 0.0
 
+    @property
+    def io_cpu_s_per_gb(self) -> float:
+        """``io_cpu_s`` per GB (1e9 bytes) moved, offloaded and reloaded; 0.0 if none moved."""
+        moved = self.offloaded_bytes + self.reloaded_bytes
+        return self.io_cpu_s / (moved / 1e9) if moved else 0.0
+
     def __str__(self) -> str:
         """A readable report (``print(cache.stats())``); ``repr`` keeps every raw field.
 
@@ -108,6 +120,8 @@ class CacheStats:
             f"stores, write {_rate(self.write_bytes_per_s)}",
             f"  reloaded  {format_bytes(self.reloaded_bytes):>12}, read "
             f"{_rate(self.read_bytes_per_s)}, {self.num_sync_loads} loads not prefetched",
+            f"  I/O CPU   {self.io_cpu_s * 1e3:9.1f} ms on transfer threads, "
+            f"{self.io_cpu_s_per_gb:.3f} s per GB moved",
             f"  kept      {format_bytes(self.kept_bytes):>12} in memory, peak resident "
             f"{format_bytes(self.peak_resident_bytes)}",
             f"  waits     stall {self.stall_s * 1e3:.1f} ms (backward on loads), store wait "
@@ -160,7 +174,7 @@ def format_summary(
     header = (
         f"{'step':>5} {'offloaded MiB':>13} {'reloaded MiB':>12} {'kept MiB':>9} {'fwd':>5} "
         f"{'dedup':>5} {'write GB/s':>10} {'read GB/s':>9} {'stall ms':>8} {'peak MiB':>9} "
-        f"{'offloaded blocks':>16}"
+        f"{'I/O CPU ms':>10} {'offloaded blocks':>16}"
     )
     lines = [header, "-" * len(header)]
     for number, s, tail_start in rows:
@@ -171,7 +185,8 @@ def format_summary(
             f"{number:>5} {s.offloaded_bytes / mib:>13.1f} {s.reloaded_bytes / mib:>12.1f} "
             f"{s.kept_bytes / mib:>9.1f} {s.num_forwarded:>5} {s.num_deduplicated:>5} "
             f"{s.write_bytes_per_s / 1e9:>10.2f} {s.read_bytes_per_s / 1e9:>9.2f} "
-            f"{s.stall_s * 1e3:>8.1f} {s.peak_resident_bytes / mib:>9.1f} {blocks:>16}"
+            f"{s.stall_s * 1e3:>8.1f} {s.peak_resident_bytes / mib:>9.1f} {s.io_cpu_s * 1e3:>10.1f} "
+            f"{blocks:>16}"
         )
     if not rows:
         lines.append("(no completed step yet)")

@@ -16,6 +16,12 @@ kernels' output, reload buffers used on another stream without ordering):
    event. Before unpack hands the tensor to autograd, the consuming stream waits on that
    event; ``record_stream`` is called only when the consumer is not the allocation stream,
    and counted (``CacheStats.num_record_stream``).
+4. Note [Reload buffers at the source's page offset]: on the host, a reload buffer starts at the
+   address the stored bytes had, modulo the page (``Entry.page_offset``). An offloader that
+   moves pages by DMA (the SSD offloader keeps host bytes at their page offset in its files,
+   Note [Direct windows]) can then read every whole page straight into it; an aligned buffer
+   would face the file's pages shifted and need a copy per byte. The buffer is a view into a
+   slightly larger allocation (one page more), kept alive by the storage the entry holds.
 The cache talks only to the ``StreamLayer`` protocol below, so CPU tests drive exactly this
 ordering logic with recording fakes (tests/cache/fakes.py).
 """
@@ -29,7 +35,20 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["StreamLayer", "DeviceStreams", "dedicated_stream"]
+__all__ = ["StreamLayer", "DeviceStreams", "dedicated_stream", "PAGE_BYTES", "host_buffer"]
+
+PAGE_BYTES = 4096
+
+
+def host_buffer(nbytes: int, page_offset: int) -> torch.Tensor:
+    """A host ``uint8`` buffer of ``nbytes`` whose address is ``page_offset`` modulo
+    ``PAGE_BYTES`` (Note [Reload buffers at the source's page offset]); a plain one under a
+    page, where no whole page could move straight."""
+    if nbytes < PAGE_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    base = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8).untyped_storage()
+    shift = (page_offset - base.data_ptr()) % PAGE_BYTES
+    return torch.empty(0, dtype=torch.uint8).set_(base[shift : shift + nbytes])
 
 
 class StreamLayer(Protocol):
@@ -47,9 +66,13 @@ class StreamLayer(Protocol):
         order it after ``wait_for`` (a producer token, or an allocation's ready token)."""
         ...
 
-    def allocate(self, device: torch.device, nbytes: int, producer: Any | None) -> tuple[torch.Tensor, Any]:
+    def allocate(
+        self, device: torch.device, nbytes: int, producer: Any | None, page_offset: int = 0
+    ) -> tuple[torch.Tensor, Any]:
         """On a load worker: a ``uint8`` buffer of ``nbytes`` allocated on the stream of
-        ``producer`` (the consumer's), and a token the load's ``transfer`` waits on."""
+        ``producer`` (the consumer's), and a token the load's ``transfer`` waits on. On the
+        host, at ``page_offset`` modulo the page (Note [Reload buffers at the source's page
+        offset])."""
         ...
 
     def loaded_event(self, device: torch.device) -> Any | None:
@@ -98,7 +121,11 @@ class DeviceStreams:
                 stream.wait_event(wait_for[0])
             yield
 
-    def allocate(self, device: torch.device, nbytes: int, producer: Any | None) -> tuple[torch.Tensor, Any]:
+    def allocate(
+        self, device: torch.device, nbytes: int, producer: Any | None, page_offset: int = 0
+    ) -> tuple[torch.Tensor, Any]:
+        if device.type == "cpu":
+            return host_buffer(nbytes, page_offset), None
         if device.type != "cuda" or producer is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=device), None
         from tba.malloc_hook import tagged_allocations  # loads no library

@@ -10,6 +10,7 @@ import collections
 import logging
 import threading
 import time
+from time import thread_time  # not through ``time``: tests swap that module's clock
 from typing import Any
 
 import torch
@@ -150,7 +151,7 @@ class Transfers(TransferWorkers):
         or the worker queue when the offloader cannot take it at once."""
         storage = entry.data
         assert storage is not None
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), thread_time()
         failure = None
         try:
             with transfer_range("store", entry):
@@ -174,7 +175,8 @@ class Transfers(TransferWorkers):
                     self._start_workers()
             return
         entry.inline = True
-        self._finish_store(entry, storage, token, failure, start, time.perf_counter())
+        cpu_s = thread_time() - cpu_start  # CacheStats.io_cpu_s: on this thread only
+        self._finish_store(entry, storage, token, failure, start, time.perf_counter(), cpu_s)
 
     def flush(self) -> None:
         """Wake the workers for stores queued since they were last woken (Note [Batched

@@ -18,7 +18,9 @@ import torch
 from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.entries import Entry, State
 from tba.cache.profiler_ranges import transfer_range
+from tba.cache.streams import PAGE_BYTES
 from tba.errors import OffloadIOError
+from tba.offloaders.cpu_time import TransferCPU
 
 __all__ = ["TransferWorkers"]
 
@@ -91,32 +93,36 @@ class TransferWorkers:
         assert self.offloader is not None
         start = time.perf_counter()
         src = storage_bytes(storage)
-        token, failure = None, None
+        token, failure, cpu = None, None, TransferCPU()
         try:
-            with transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
+            with cpu, transfer_range("store", entry), self.streams.transfer(entry.device, "store", event):
                 token = self.offloader.store(src)
         except Exception as exc:  # re-raised on the training thread, never swallowed
             failure = exc
         end = time.perf_counter()
         del src
-        self._finish_store(entry, storage, token, failure, start, end)
+        self._finish_store(entry, storage, token, failure, start, end, cpu.seconds)
         failure = None  # see _finish_store
 
     def _finish_store(
         self, entry: Entry, storage: Any, token: Any, failure: BaseException | None,
-        start: float, end: float,
+        start: float, end: float, cpu_s: float,
     ) -> None:
-        """Account for a finished store (no lock held on entry): on a store worker, or on the
-        training thread after an inline one (Note [Small transfers inline])."""
+        """Account for a finished store (no lock held on entry) that took ``cpu_s`` of CPU: on
+        a store worker, or on the training thread after an inline one (Note [Small transfers
+        inline])."""
         elapsed = end - start
         self.trace.span("store", start, end, entry.nbytes, failure is None)
         if failure is None and storage.nbytes() != entry.nbytes:
             # Freed or resized while the copy ran: the stored bytes may be garbage. The
             # token is given back and the entry kept (as an unmanaged save would be).
             failure = _Resized()
+        # Note [Reload buffers at the source's page offset]
+        page_offset = storage.data_ptr() % PAGE_BYTES if storage.device.type == "cpu" else 0
         del storage
         release = None
         with self.lock:
+            self.step.io_cpu_s += cpu_s
             self.inflight_bytes -= entry.nbytes
             if entry.state is State.DROPPED:
                 self._orphan_store_bytes -= entry.nbytes
@@ -139,6 +145,7 @@ class TransferWorkers:
                     self._pending_releases += 1
                     self.held_bytes -= entry.nbytes
                 else:
+                    entry.page_offset = page_offset
                     alias = entry.alias
                     if entry.wanted:
                         entry.token, entry.state = token, State.READY
@@ -253,18 +260,19 @@ class TransferWorkers:
         assert self.offloader is not None
         done = entry.load_done
         start = time.perf_counter()
-        dst, event, failure = None, None, None
+        dst, event, failure, cpu = None, None, None, TransferCPU()
         try:
-            if entry.inline:
-                dst = torch.empty(entry.nbytes, dtype=torch.uint8)
-                with transfer_range("load", entry):
-                    self.offloader.load(token, dst)
-            else:
-                # Note [Reload buffers on the consumer's stream]
-                dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event)
-                with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
-                    self.offloader.load(token, dst)
-                    event = self.streams.loaded_event(entry.device)
+            with cpu:
+                if entry.inline:
+                    dst = torch.empty(entry.nbytes, dtype=torch.uint8)
+                    with transfer_range("load", entry):
+                        self.offloader.load(token, dst)
+                else:
+                    # Note [Reload buffers on the consumer's stream]
+                    dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event, entry.page_offset)
+                    with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
+                        self.offloader.load(token, dst)
+                        event = self.streams.loaded_event(entry.device)
         except Exception as exc:  # re-raised on the training thread by fetch()
             failure = exc
         end = time.perf_counter()
@@ -272,6 +280,7 @@ class TransferWorkers:
         self.trace.span("load", start, end, entry.nbytes, failure is None)
         release = error = None
         with self.lock:
+            self.step.io_cpu_s += cpu.seconds
             if entry.state is State.DROPPED:
                 self._orphan_load_bytes -= entry.nbytes
                 release, entry.token = entry.token, None

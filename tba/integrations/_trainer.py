@@ -29,6 +29,7 @@ LOGGED_FIELDS = (
     "store_wait_s",
     "num_sync_loads",
     "num_io_errors",
+    "io_cpu_s",
 )
 
 

@@ -101,7 +101,9 @@ class RecordingStreams:
         self._add("record", event, threading.get_ident())
         return event
 
-    def allocate(self, device: torch.device, nbytes: int, producer: Any) -> tuple[torch.Tensor, Any]:
+    def allocate(
+        self, device: torch.device, nbytes: int, producer: Any, page_offset: int = 0
+    ) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         ready = ("allocated", next(self.ids))
         self._add("allocate", producer, ready, buffer.untyped_storage().data_ptr(), threading.get_ident())

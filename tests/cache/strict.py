@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from tba.cache.streams import host_buffer
+
 JOIN_S = 30.0
 
 
@@ -114,11 +116,16 @@ class StrictStreams:
         finally:
             self.local.kind = None
 
-    def allocate(self, device: torch.device, nbytes: int, producer: Any) -> tuple[torch.Tensor, Any]:
+    def allocate(
+        self, device: torch.device, nbytes: int, producer: Any, page_offset: int = 0
+    ) -> tuple[torch.Tensor, Any]:
         if producer is None:
             self._fail("a reload buffer was allocated without its producer's stream")
         stream = producer[1] if producer is not None else "load"
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if device.type == "cpu":  # as the real layer does (Note [Reload buffers at the source's page offset])
+            buffer = host_buffer(nbytes, page_offset)
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         buffer.fill_(0xA5)  # poison: a load that does not fill it shows up as wrong bytes
         with self._lock:
             self.allocated_on[buffer.untyped_storage().data_ptr()] = stream

@@ -198,7 +198,7 @@ def tamper(kind: str, token, other=None) -> None:
     a flaky drive or another program would. ``other`` (a token of the same size) is needed for
     ``swapped_extents``. Written with fsync, so O_DIRECT reads see it."""
     extent = token.extents[0]
-    path, offset, size = extent.slab.path, extent.file_offset, extent.stop - extent.start
+    path, offset, size = extent.slab.path, extent.data_offset, extent.stop - extent.start
     with open(path, "r+b", buffering=0) as f:
         if kind == "bit_flip":
             f.seek(offset + size // 2)
@@ -221,12 +221,12 @@ def tamper(kind: str, token, other=None) -> None:
             with open(second.slab.path, "r+b", buffering=0) as g:
                 f.seek(offset)
                 mine = f.read(size)
-                g.seek(second.file_offset)
+                g.seek(second.data_offset)
                 theirs = g.read(size)
                 assert mine != theirs
                 f.seek(offset)
                 f.write(theirs)
-                g.seek(second.file_offset)
+                g.seek(second.data_offset)
                 g.write(mine)
                 os.fsync(g.fileno())
         else:
@@ -235,15 +235,19 @@ def tamper(kind: str, token, other=None) -> None:
 
 
 def tamper_every_extent(offloader) -> int:
-    """Flip one bit in every extent the offloader holds now; returns how many were changed."""
+    """Flip one bit in every extent the offloader holds now; returns how many were changed.
+
+    The bit is in the last byte of the extent's first page: a stored tensor's bytes start
+    within that page (at its page offset in memory, Note [Direct windows]), so this changes
+    data of every tensor of at least 4 KiB."""
     changed = 0
     for slab_dir in offloader._dirs:
         for slab in list(slab_dir._slabs):
             with open(slab.path, "r+b", buffering=0) as f:
                 for offset in list(slab.owners):
-                    f.seek(offset)
+                    f.seek(offset + 4095)
                     byte = f.read(1)[0]
-                    f.seek(offset)
+                    f.seek(offset + 4095)
                     f.write(bytes([byte ^ 0x01]))
                     changed += 1
                 os.fsync(f.fileno())

@@ -55,7 +55,9 @@ def test_thirty_steps_stay_bounded_and_close_removes_everything(
         assert off.used_bytes == 0
         capacities.append(off.capacity_bytes)
         disk = sum(_disk_bytes(d) for d in off.directories)
-        assert disk <= 1.5 * step_bytes, f"step {step}: {disk} bytes on disk for a {step_bytes}-byte step"
+        # 1.5x, plus what host tensors' page offsets cost (Note [Direct windows]): up to a page
+        # per extent, which can tip a tensor larger than slab_bytes into one more MiB of its slab.
+        assert disk <= 1.65 * step_bytes, f"step {step}: {disk} bytes on disk for a {step_bytes}-byte step"
     assert capacities[1:] == capacities[:-1], "slabs kept growing although every step is the same"
     directories = off.directories
     off.close()

@@ -1,4 +1,4 @@
-"""Checksums of offloaded bytes, computed with torch ops on the device the bytes are on.
+"""Checksums of offloaded bytes, computed where the bytes are: torch ops on a GPU, numpy on the host.
 
 Note [Checksum choice]: the digest of a byte range is built from its 512-byte blocks (the sector
 size). Each block is read as 64 little-endian int64 words and summed (``R_i``, modulo 2**64);
@@ -8,14 +8,17 @@ zero-padded. Why this and not a CRC or xxHash:
 - It runs where the bytes are. Under GPUDirect Storage a reload lands in GPU memory and never
   passes through host memory, so a host checksum would need an extra device-to-host copy; two
   reductions on the tensor's own device cost nothing next to the drive (GPU memory moves TB/s).
-  The CPU tests run exactly this code.
+  The CPU tests run this code too (and the host's numpy version, Note [Checksum threads]).
 - It is fast on the host too. Measured on the 2-core development machine (256 MiB, median of 5,
   torch 2.13.0 CPU): these sums 24 GB/s on 2 threads (12 GB/s on one), xxh3_64 (python-xxhash
   4.1.0) 13 GB/s, crc32c 2.9 13 GB/s, zlib.crc32 2.2 GB/s. So no dependency is needed.
 - It is exact integer arithmetic: the same bytes give the same digest on any device, in any
   order of summation, split into any pieces (``Digest`` parts combine: see ``Accumulator``).
   That lets the posix engine checksum chunk k while chunk k+1 is still on its way to or from
-  the drive, so verification hides behind the I/O.
+  the drive, so verification hides behind the I/O. The sums are linear in the bytes (modulo
+  2**64), so a block cut in two by a piece boundary is the sum of its two parts, each summed
+  as a block zero-padded around it: pieces may start and end anywhere (the posix engine cuts
+  at page boundaries of the file, which are not block boundaries of the range).
 
 What it detects: any change confined to one 8-byte word (every single-bit flip), random or
 zeroed data (missed with probability about 2**-64 per block sum), truncation, a short or lost
@@ -27,11 +30,15 @@ who can write the files on purpose: the sums are linear and easy to forge (docs/
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-__all__ = ["BLOCK_BYTES", "Digest", "Accumulator", "digest_of"]
+from tba.offloaders._byte_views import bytes_view
+
+__all__ = ["BLOCK_BYTES", "Digest", "Accumulator", "digest_of", "piece_sums"]
 
 BLOCK_BYTES = 512
 _WORDS = BLOCK_BYTES // 8
@@ -54,8 +61,7 @@ class Accumulator:
     """Builds the digest of a byte range from pieces given in any order.
 
     Each piece is ``(data, start)``: the bytes ``[start, start + len(data))`` of the range.
-    Pieces must not overlap; every piece but the last one of the range must start and end on a
-    ``BLOCK_BYTES`` boundary (the last may end anywhere). Not thread-safe: one caller adds.
+    Pieces must not overlap and may start and end anywhere. Not thread-safe: one caller adds.
     """
 
     def __init__(self) -> None:
@@ -65,20 +71,42 @@ class Accumulator:
 
     def add(self, data: torch.Tensor, start: int) -> None:
         """Add the bytes ``data`` (1-D contiguous uint8, any device) found at ``start``."""
-        if start % BLOCK_BYTES:
-            raise ValueError(f"a checksum piece must start on a {BLOCK_BYTES}-byte boundary, got {start}")
-        n = data.numel()
-        if n == 0:
-            return
-        first_block = start // BLOCK_BYTES
-        num_full = n // BLOCK_BYTES
-        total, weighted = _sums_torch(data, first_block, num_full)
-        self._total = (self._total + total) & _MASK
-        self._weighted = (self._weighted + weighted) & _MASK
-        self._num_bytes += n
+        self.add_sums(data.numel(), piece_sums(data, start))
+
+    def add_sums(self, num_bytes: int, sums: tuple[int, int]) -> None:
+        """Add a piece of ``num_bytes`` whose :func:`piece_sums` are ``sums``."""
+        self._total = (self._total + sums[0]) & _MASK
+        self._weighted = (self._weighted + sums[1]) & _MASK
+        self._num_bytes += num_bytes
 
     def digest(self) -> Digest:
         return Digest(self._num_bytes, self._total, self._weighted)
+
+
+def piece_sums(data: torch.Tensor, start: int) -> tuple[int, int]:
+    """The (total, weighted) contribution of the bytes ``data`` (1-D contiguous uint8, any
+    device) found at byte ``start`` of a range; pieces' contributions add up modulo 2**64."""
+    n = data.numel()
+    offset = start % BLOCK_BYTES
+    if n == 0 or not offset:
+        return _sums(data, start // BLOCK_BYTES)
+    # A partial first block: its bytes in place in a zeroed block (Note [Checksum choice]).
+    lead = min(n, BLOCK_BYTES - offset)
+    padded = torch.zeros(BLOCK_BYTES, dtype=torch.uint8, device=data.device)
+    padded[offset : offset + lead] = data[:lead]
+    total, weighted = _sums(padded, start // BLOCK_BYTES)
+    rest_total, rest_weighted = _sums(data[lead:], start // BLOCK_BYTES + 1)
+    return (total + rest_total) & _MASK, (weighted + rest_weighted) & _MASK
+
+
+def _sums(data: torch.Tensor, first_block: int) -> tuple[int, int]:
+    """The sums of ``data`` starting at block ``first_block`` (a short last block zero-padded)."""
+    if data.numel() == 0:
+        return 0, 0
+    num_full = data.numel() // BLOCK_BYTES
+    if data.device.type == "cpu":
+        return _sums_host(data, first_block, num_full)
+    return _sums_torch(data, first_block, num_full)
 
 
 # Note [Checksum threads]: torch runs a CPU op on its OpenMP pool once it has GRAIN_SIZE (32768)
@@ -86,10 +114,47 @@ class Accumulator:
 # the training thread on a busy 2-core machine that made verification cost +140% (once +1150%)
 # of the posix engine's write+read time, where one thread cost about -6..+21% at the same load
 # (io_bandwidth.py, 256 MiB, load average 4-6). torch.set_num_threads cannot help (it changes the
-# setting for threads started later too), and numpy, single-threaded, reached 14 GB/s against
-# 22 GB/s for torch ops on pieces under 32768 elements (8 MiB, cache-warm). So on the host the
-# same torch ops run on pieces of 16384 elements (on the calling thread); on a GPU in one piece.
-_SERIAL_ELEMENTS = 16384  # under GRAIN_SIZE (32768): torch runs the op on the calling thread
+# setting for threads started later too), and torch ops on pieces under GRAIN_SIZE pay a call
+# per piece: 0.069 CPU-s per GB for the block sums of 8 MiB, where numpy's ``add.reduceat``
+# (single-threaded by construction, on the calling thread) takes 0.037 in one pass (2-core
+# Xeon, torch 2.13.0, numpy 2.4.6, time.thread_time over an 8 MiB cache-warm buffer). So on the
+# host the block sums are numpy's (the same int64 arithmetic, wrapping modulo 2**64); on a GPU
+# they are torch ops on the tensor's device.
+_starts_lock = threading.Lock()
+_starts = np.arange(0, _WORDS * 16384, _WORDS, dtype=np.int64)  # first word of each block
+
+
+def _block_starts(num_blocks: int) -> np.ndarray:
+    global _starts
+    starts = _starts
+    if len(starts) < num_blocks:
+        with _starts_lock:
+            if len(_starts) < num_blocks:
+                _starts = np.arange(0, _WORDS * max(num_blocks, 2 * len(_starts)), _WORDS, dtype=np.int64)
+            starts = _starts
+    return starts[:num_blocks]
+
+
+def _sums_host(data: torch.Tensor, first_block: int, num_full: int) -> tuple[int, int]:
+    """:func:`_sums_torch` for host memory, with numpy on the calling thread."""
+    total = weighted = 0
+    if num_full:
+        body = data[: num_full * BLOCK_BYTES]
+        if body.data_ptr() % 8:
+            body = body.clone()  # rare: a caller's unaligned view; the digest depends on bytes only
+        words = bytes_view(body).view(np.int64)
+        sums = np.add.reduceat(words, _block_starts(num_full))  # int64, wraps mod 2**64
+        weights = np.arange(first_block + 1, first_block + num_full + 1, dtype=np.int64)
+        total = int(sums.sum()) & _MASK
+        weighted = int(np.dot(sums, weights)) & _MASK
+    tail = data.numel() - num_full * BLOCK_BYTES
+    if tail:
+        padded = np.zeros(BLOCK_BYTES, dtype=np.uint8)
+        padded[:tail] = bytes_view(data[num_full * BLOCK_BYTES :])
+        last = int(padded.view(np.int64).sum()) & _MASK
+        total = (total + last) & _MASK
+        weighted = (weighted + (first_block + num_full + 1) * last) & _MASK
+    return total, weighted
 
 
 def _sums_torch(data: torch.Tensor, first_block: int, num_full: int) -> tuple[int, int]:
@@ -97,17 +162,9 @@ def _sums_torch(data: torch.Tensor, first_block: int, num_full: int) -> tuple[in
     parts: list[torch.Tensor] = []
     if num_full:
         words = _as_words(data[: num_full * BLOCK_BYTES]).view(num_full, _WORDS)
-        on_host = data.device.type == "cpu"
-        rows = _SERIAL_ELEMENTS // _WORDS if on_host else num_full
-        sums = torch.empty(num_full, dtype=torch.int64, device=data.device)
-        for a in range(0, num_full, rows):
-            torch.sum(words[a : a + rows], dim=1, out=sums[a : a + rows])  # int64, wraps mod 2**64
-        step = _SERIAL_ELEMENTS if on_host else num_full
-        for a in range(0, num_full, step):
-            piece = sums[a : a + step]
-            index = first_block + a
-            weights = torch.arange(index + 1, index + piece.numel() + 1, dtype=torch.int64, device=data.device)
-            parts += [piece.sum(), (piece * weights).sum()]
+        sums = torch.sum(words, dim=1)  # int64, wraps mod 2**64
+        weights = torch.arange(first_block + 1, first_block + num_full + 1, dtype=torch.int64, device=data.device)
+        parts += [sums.sum(), (sums * weights).sum()]
     tail = data.numel() - num_full * BLOCK_BYTES
     if tail:
         padded = torch.zeros(BLOCK_BYTES, dtype=torch.uint8, device=data.device)

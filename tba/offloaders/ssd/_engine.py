@@ -55,19 +55,24 @@ class IORequest:
 
 
 # ``on_done(i, start, stop, data)``: bytes ``[start, stop)`` of ``requests[i].buffer`` are final:
-# for a read they have landed in the buffer; for a write they are being written, and ``data``,
-# when not None, holds exactly the bytes handed to the file (a staging copy). Called on the
-# calling thread, while later parts may still be in flight, so a checksum of them overlaps with
-# the I/O; every byte is reported once.
+# for a read they have landed in the buffer. For a write, ``data`` not None holds exactly the
+# bytes handed to the file (a staging copy); ``data`` None means the bytes are about to be
+# written straight from the buffer: reported before their write starts, and summed again by the
+# offloader after the whole write. Called on the calling thread, while other parts may be in
+# flight, so a checksum of them overlaps with the I/O; every byte is reported once.
 #
 # Note [Checksums of what was written]: a storage can change while it is being stored without
 # any error in the saved tensor's own bytes: another version-counter family (an
 # ``unsafe_chunk`` sibling, as in PyTorch's CPU GRU/LSTM kernels) writes its own region of the
 # same storage in place. A checksum taken from the live source at another moment than the copy
 # to the file then describes bytes that were never written, and the reload reports corruption
-# that is not there. An engine whose ``exact_write_sums`` is True reports the very bytes it
-# wrote in ``data``; for the others the offloader re-checks the source after the write and
-# writes again from a snapshot when it moved.
+# that is not there. So a checksum describes either a staging copy, the very bytes written
+# (``data`` given), or the live source summed strictly before its write began and again after
+# it ended (``Summer.moved``): any change in between that lasts shows as a difference, and the
+# offloader then writes again from a snapshot of the source (tested with a source written
+# during its store, on the staged and the direct path). Summing *during* the write would not
+# do: the drive could read a byte before it changed and the checksum after, and both sums
+# would agree on bytes the file does not hold.
 OnDone = Callable[[int, int, int, "torch.Tensor | None"], None]
 
 

@@ -64,7 +64,6 @@ class KvikioEngine:
     """
 
     name = "kvikio"
-    exact_write_sums = False  # Note [Checksums of what was written]: the offloader re-checks
 
     def __init__(self, num_threads: int | None = None) -> None:
         import kvikio
@@ -103,17 +102,21 @@ class KvikioEngine:
         pass
 
     def write(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
-        # The source does not change during the call: checksum it while kvikio writes.
-        self._run(requests, is_write=True, on_done=on_done)
+        # Note [Checksums of what was written]: kvikio writes from the source itself, so it is
+        # summed before the write starts (and again by the offloader after it ends).
+        if on_done is not None:
+            for i, request in enumerate(requests):
+                on_done(i, 0, request.buffer.numel(), None)
+        self._run(requests, is_write=True)
 
     def read(self, requests: Sequence[IORequest], on_done: OnDone | None = None) -> None:
-        self._run(requests, is_write=False, on_done=None)
+        self._run(requests, is_write=False)
         # kvikio reports no progress inside a request: the whole read is checked afterwards.
         if on_done is not None:
             for i, request in enumerate(requests):
                 on_done(i, 0, request.buffer.numel(), None)
 
-    def _run(self, requests: Sequence[IORequest], is_write: bool, on_done: OnDone | None) -> None:
+    def _run(self, requests: Sequence[IORequest], is_write: bool) -> None:
         op = "write" if is_write else "read"
         # kvikio copies on its own stream: everything queued on ours (the producer's event
         # wait, or an earlier use of the destination's memory) must be done first.
@@ -134,12 +137,6 @@ class KvikioEngine:
                 error = self._wrap(e, op, request)
                 break
             pending.append((request, buffer, future))
-        if on_done is not None and error is None:
-            try:
-                for i, request in enumerate(requests):
-                    on_done(i, 0, request.buffer.numel(), None)
-            except BaseException as e:  # noqa: BLE001 - raised once every future is done
-                error = e
         for request, _buffer, future in pending:
             try:
                 count = future.get()

@@ -22,7 +22,7 @@ from tba.offloaders.ssd._posix import ALIGNMENT
 from tba.offloaders.ssd._private_dir import PrivateDir
 from tba.offloaders.ssd._stale_dirs import remove_stale_dirs
 from tba.offloaders.ssd._slabs import SlabDir
-from tba.offloaders.ssd._tokens import Extent, SSDToken, check_digests, check_owned, request_for, summer
+from tba.offloaders.ssd._tokens import Extent, SSDToken, Summer, check_digests, check_owned, request_for, summer
 
 __all__ = ["SSDOffloader", "SSDToken"]
 
@@ -231,35 +231,37 @@ class SSDOffloader:
         _check_bytes(src, "src")
         self._raise_pending()
         extents: list[Extent] = []
+        host = src.device.type == "cpu"
         try:
             for start, stop, slab_dir in self._pieces(src.numel(), src.data_ptr()):
-                slab, offset, serial = slab_dir.allocate(stop - start)
-                extents.append(Extent(slab_dir, slab, offset, start, stop, serial))
-            requests = [request_for(e, src) for e in extents]
-            sums = [Accumulator() for _ in extents] if self.verify == "checksum" else None
-            self._engine.write(requests, summer(requests, sums))
-            if sums is not None and not getattr(self._engine, "exact_write_sums", False):
-                sums = self._write_stable(extents, src, sums)
+                # Host bytes keep their page offset in the file (Note [Direct windows]).
+                phase = (src.data_ptr() + start) % ALIGNMENT if host else 0
+                slab, offset, serial = slab_dir.allocate(stop - start + phase)
+                extents.append(Extent(slab_dir, slab, offset, start, stop, serial, phase))
+            sums = self._write(extents, src, recheck=True)
+            if sums is not None and sums[1].moved():
+                # Note [Checksums of what was written]: the source changed while it was being
+                # written; write a snapshot (nobody else writes it) instead.
+                sums = self._write(extents, src.clone(), recheck=False)
         except BaseException:
             for extent in extents:
                 extent.slab_dir.free(extent.slab, extent.file_offset, extent.serial)
             raise
-        digests = None if sums is None else tuple(a.digest() for a in sums)
+        digests = None if sums is None else tuple(a.digest() for a in sums[0])
         return SSDToken(src.numel(), tuple(extents), digests)
 
-    def _write_stable(self, extents: list[Extent], src: torch.Tensor, sums: list[Accumulator]) -> list[Accumulator]:
-        """Note [Checksums of what was written], for engines that write from the live source:
-        if the source's checksum moved during the write, write a snapshot (stable) instead."""
-        after = [Accumulator() for _ in extents]
-        for accumulator, extent in zip(after, extents):
-            accumulator.add(src[extent.start : extent.stop], 0)
-        if [a.digest() for a in after] == [s.digest() for s in sums]:
-            return sums
-        snapshot = src.clone()
-        requests = [request_for(e, snapshot) for e in extents]
+    def _write(
+        self, extents: list[Extent], src: torch.Tensor, recheck: bool
+    ) -> tuple[list[Accumulator], Summer] | None:
+        """Write ``src`` to ``extents``; its checksums and their summer (None unverified)."""
+        requests = [request_for(e, src) for e in extents]
+        if self.verify != "checksum":
+            self._engine.write(requests)
+            return None
         sums = [Accumulator() for _ in extents]
-        self._engine.write(requests, summer(requests, sums))
-        return sums
+        on_done = Summer(requests, sums, recheck=recheck)
+        self._engine.write(requests, on_done)
+        return sums, on_done
 
     def load(self, token: SSDToken, dst: torch.Tensor) -> None:
         """Fill ``dst`` (1-D contiguous uint8 of the stored size) with the bytes of ``token``.
