@@ -10,17 +10,16 @@ import collections
 import logging
 import threading
 import time
-from time import thread_time  # not through ``time``: tests swap that module's clock
 from typing import Any
 
 import torch
 
 from tba.cache.entries import HOLDS_DATA, Entry, State
-from tba.cache.profiler_ranges import LoadDone, transfer_range
+from tba.cache.profiler_ranges import LoadDone
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
-from tba.cache.workers import TransferWorkers
+from tba.cache.workers import INLINE_MAX_BYTES, TransferWorkers
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
 
@@ -36,17 +35,6 @@ logger = logging.getLogger(__name__)
 # them for whatever is queued.
 _WAKE_BYTES = 1 << 20
 
-# Note [Small transfers inline]: a store or load handed to a worker thread costs a wake-up and,
-# worse, GIL hand-offs: every torch call on either thread releases the GIL, so a running worker
-# and the training thread trade it at each op (tens of microseconds per small tensor on a 2-core
-# machine, measured by benchmarks/hook_overhead.py), while copying a few KiB between CPU buffers
-# takes under a microsecond. A CPU storage of at most this many bytes is therefore stored on
-# the training thread at pack time when the offloader can take it at once
-# (``store_now(storage)`` returns a token, or None to go through the workers: no room without
-# allocating, a reserve pending, a non-CPU storage), and read back by whoever unpacks it. CUDA
-# storages always go through the workers (their copies wait on streams). The entry's state
-# machine and counters are the same as for a worker's transfer: only the thread differs.
-INLINE_MAX_BYTES = 64 << 10
 _DEAD_POLL_S = 0.5  # how often a waiting unpack checks that the load workers are alive
 
 
@@ -145,38 +133,6 @@ class Transfers(TransferWorkers):
             self._store_inline(entry)
         if self.error is not None:
             self.raise_pending()
-
-    def _store_inline(self, entry: Entry) -> None:
-        """Note [Small transfers inline] (no lock held, the entry is STORING): ``store_now``,
-        or the worker queue when the offloader cannot take it at once."""
-        storage = entry.data
-        assert storage is not None
-        start, cpu_start = time.perf_counter(), thread_time()
-        failure = None
-        try:
-            with transfer_range("store", entry):
-                token = self._store_now(storage)
-        except Exception as exc:  # re-raised on the training thread, never swallowed
-            token, failure = None, exc
-        if token is None and failure is None:
-            with self.lock:  # no room now: a worker stores it, under the same backpressure
-                if not entry.wanted:
-                    self.inflight_bytes -= entry.nbytes
-                    if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
-                        self._wait_for_room(entry.nbytes)
-                    self.inflight_bytes += entry.nbytes
-                if entry.wanted:  # backward came meanwhile (another thread's)
-                    self._cancel_store(entry)
-                    return
-                entry.state = State.QUEUED
-                self._store_q.append(entry)
-                self._unwoken_bytes += entry.nbytes
-                if not self._threads:
-                    self._start_workers()
-            return
-        entry.inline = True
-        cpu_s = thread_time() - cpu_start  # CacheStats.io_cpu_s: on this thread only
-        self._finish_store(entry, storage, token, failure, start, time.perf_counter(), cpu_s)
 
     def flush(self) -> None:
         """Wake the workers for stores queued since they were last woken (Note [Batched
@@ -447,40 +403,6 @@ class Transfers(TransferWorkers):
         self._load_q.append(entry)
         self._start_workers()
         self._load_ready.notify()
-
-    def _start_workers(self) -> None:
-        if self._threads:
-            return
-        for kind, target in (("store", self._store_worker), ("load", self._load_worker)):
-            for i in range(self._num_threads[kind]):
-                thread = threading.Thread(
-                    target=self._run_worker, args=(target,), name=f"tba-{kind}-{i}", daemon=True
-                )
-                thread.start()
-                self._threads.append(thread)
-
-    def _run_worker(self, target: Any) -> None:
-        """Note [Dead workers]: an exception escaping a worker loop is a tba bug (offloader
-        failures are caught and accounted inside it). The thread would die silently, and the
-        training thread would then wait forever for room or for a load; instead every later
-        hook raises a TBAError naming the worker and the cause."""
-        try:
-            target()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
-            name = threading.current_thread().name
-            dead = TBAError(
-                f"tba bug: transfer worker {name} died ({type(exc).__name__}: {exc}); the cache "
-                "can no longer move tensors: close() it (training without tba is unaffected) "
-                "and report this with the traceback"
-            )
-            dead.__cause__ = exc
-            logger.error("%s", dead, exc_info=exc)
-            with self.lock:
-                if self.dead is None:
-                    self.dead = dead
-                if self.error is None:
-                    self.error = dead  # the hooks' one-attribute check sees it
-                self._notify_everyone()
 
     # ----------------------------------------------------------------- shutdown
     def close(self, entries: list[Entry]) -> None:

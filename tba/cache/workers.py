@@ -1,16 +1,19 @@
-"""The store and load workers of the transfer engine (``Transfers``), and how their failures
-are accounted.
+"""Where the transfer engine's (``Transfers``) copies run, and how their results and failures
+are accounted: the store and load worker threads (started, run, and reported dead here), and
+small CPU transfers run inline on the training thread (Note [Small transfers inline]).
 
-``TransferWorkers`` is the worker side of ``Transfers``: it runs on the worker threads and uses
-the engine's lock, queues and counters (defined by ``Transfers``); everything here happens
-either under that lock or with an offloader call outside it.
+``TransferWorkers`` is that side of ``Transfers``: it uses the engine's lock, queues and
+counters (defined by ``Transfers``); everything here happens either under that lock or with an
+offloader call outside it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
+from time import thread_time  # not through ``time``: tests swap that module's clock
 from typing import Any
 
 import torch
@@ -19,12 +22,25 @@ from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.entries import Entry, State
 from tba.cache.profiler_ranges import transfer_range
 from tba.cache.streams import PAGE_BYTES
-from tba.errors import OffloadIOError
+from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
 
-__all__ = ["TransferWorkers"]
+__all__ = ["INLINE_MAX_BYTES", "TransferWorkers"]
 
 logger = logging.getLogger(__name__)
+
+
+# Note [Small transfers inline]: a store or load handed to a worker thread costs a wake-up and,
+# worse, GIL hand-offs: every torch call on either thread releases the GIL, so a running worker
+# and the training thread trade it at each op (tens of microseconds per small tensor on a 2-core
+# machine, measured by benchmarks/hook_overhead.py), while copying a few KiB between CPU buffers
+# takes under a microsecond. A CPU storage of at most this many bytes is therefore stored on
+# the training thread at pack time when the offloader can take it at once
+# (``store_now(storage)`` returns a token, or None to go through the workers: no room without
+# allocating, a reserve pending, a non-CPU storage), and read back by whoever unpacks it. CUDA
+# storages always go through the workers (their copies wait on streams). The entry's state
+# machine and counters are the same as for a worker's transfer: only the thread differs.
+INLINE_MAX_BYTES = 64 << 10
 
 
 class _Resized(Exception):
@@ -32,7 +48,7 @@ class _Resized(Exception):
 
 
 class TransferWorkers:
-    """Worker-thread methods of ``Transfers`` (a mixin: state lives in ``Transfers``)."""
+    """Transfer-running methods of ``Transfers`` (a mixin: state lives in ``Transfers``)."""
 
     cond: Any
     lock: Any
@@ -60,7 +76,74 @@ class TransferWorkers:
         error.__cause__ = exc
         return error
 
-    # ----------------------------------------------------------------- workers
+    # ----------------------------------------------------------------- threads
+    def _start_workers(self) -> None:
+        if self._threads:
+            return
+        for kind, target in (("store", self._store_worker), ("load", self._load_worker)):
+            for i in range(self._num_threads[kind]):
+                thread = threading.Thread(
+                    target=self._run_worker, args=(target,), name=f"tba-{kind}-{i}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def _run_worker(self, target: Any) -> None:
+        """Note [Dead workers]: an exception escaping a worker loop is a tba bug (offloader
+        failures are caught and accounted inside it). The thread would die silently, and the
+        training thread would then wait forever for room or for a load; instead every later
+        hook raises a TBAError naming the worker and the cause."""
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
+            name = threading.current_thread().name
+            dead = TBAError(
+                f"tba bug: transfer worker {name} died ({type(exc).__name__}: {exc}); the cache "
+                "can no longer move tensors: close() it (training without tba is unaffected) "
+                "and report this with the traceback"
+            )
+            dead.__cause__ = exc
+            logger.error("%s", dead, exc_info=exc)
+            with self.lock:
+                if self.dead is None:
+                    self.dead = dead
+                if self.error is None:
+                    self.error = dead  # the hooks' one-attribute check sees it
+                self._notify_everyone()
+
+    # ----------------------------------------------------------------- transfers
+    def _store_inline(self, entry: Entry) -> None:
+        """Note [Small transfers inline] (no lock held, the entry is STORING): ``store_now``,
+        or the worker queue when the offloader cannot take it at once."""
+        storage = entry.data
+        assert storage is not None
+        start, cpu_start = time.perf_counter(), thread_time()
+        failure = None
+        try:
+            with transfer_range("store", entry):
+                token = self._store_now(storage)
+        except Exception as exc:  # re-raised on the training thread, never swallowed
+            token, failure = None, exc
+        if token is None and failure is None:
+            with self.lock:  # no room now: a worker stores it, under the same backpressure
+                if not entry.wanted:
+                    self.inflight_bytes -= entry.nbytes
+                    if self.inflight_bytes and self.inflight_bytes + entry.nbytes > self._max_inflight_bytes:
+                        self._wait_for_room(entry.nbytes)
+                    self.inflight_bytes += entry.nbytes
+                if entry.wanted:  # backward came meanwhile (another thread's)
+                    self._cancel_store(entry)
+                    return
+                entry.state = State.QUEUED
+                self._store_q.append(entry)
+                self._unwoken_bytes += entry.nbytes
+                if not self._threads:
+                    self._start_workers()
+            return
+        entry.inline = True
+        cpu_s = thread_time() - cpu_start  # CacheStats.io_cpu_s: on this thread only
+        self._finish_store(entry, storage, token, failure, start, time.perf_counter(), cpu_s)
+
     def _store_worker(self) -> None:
         assert self.offloader is not None
         while True:
@@ -260,27 +343,34 @@ class TransferWorkers:
         assert self.offloader is not None
         done = entry.load_done
         start = time.perf_counter()
-        dst, event, failure, cpu = None, None, None, TransferCPU()
-        try:
-            with cpu:
-                if entry.inline:
-                    dst = torch.empty(entry.nbytes, dtype=torch.uint8)
-                    with transfer_range("load", entry):
-                        self.offloader.load(token, dst)
-                else:
+        dst, event, failure = None, None, None
+        if entry.inline:  # CPU time on this thread only, as for inline stores
+            cpu_start = thread_time()
+            try:
+                dst = torch.empty(entry.nbytes, dtype=torch.uint8)
+                with transfer_range("load", entry):
+                    self.offloader.load(token, dst)
+            except Exception as exc:  # re-raised to the caller below
+                failure = exc
+            cpu_s = thread_time() - cpu_start
+        else:
+            cpu = TransferCPU()
+            try:
+                with cpu:
                     # Note [Reload buffers on the consumer's stream]
                     dst, ready = self.streams.allocate(entry.device, entry.nbytes, entry.event, entry.page_offset)
                     with transfer_range("load", entry), self.streams.transfer(entry.device, "load", ready):
                         self.offloader.load(token, dst)
                         event = self.streams.loaded_event(entry.device)
-        except Exception as exc:  # re-raised on the training thread by fetch()
-            failure = exc
+            except Exception as exc:  # re-raised on the training thread by fetch()
+                failure = exc
+            cpu_s = cpu.seconds
         end = time.perf_counter()
         elapsed = end - start
         self.trace.span("load", start, end, entry.nbytes, failure is None)
         release = error = None
         with self.lock:
-            self.step.io_cpu_s += cpu.seconds
+            self.step.io_cpu_s += cpu_s
             if entry.state is State.DROPPED:
                 self._orphan_load_bytes -= entry.nbytes
                 release, entry.token = entry.token, None

@@ -13,7 +13,8 @@ import tba
 from tba.cache.entries import Entry, State
 from tba.cache.streams import DeviceStreams
 from tba.cache.trace import TraceRecorder
-from tba.cache.transfers import INLINE_MAX_BYTES, Transfers
+from tba.cache.transfers import Transfers
+from tba.cache.workers import INLINE_MAX_BYTES
 from tba.errors import OffloadIOError
 from tba.offloaders.host import HostOffloader
 from tests import models
