@@ -21,6 +21,12 @@ class Offloader(Protocol):
     raised as exceptions (``tba.OffloadIOError`` for I/O); the cache re-raises them on the
     training thread or, with ``on_io_error="keep"``, keeps the tensor in memory.
 
+    Optional: ``store_now(storage) -> token | None``. For small CPU storages (Note [Small
+    transfers inline] in tba/cache/workers.py) the cache calls it on the training thread at pack
+    time, with no lock held; it must return at once (no allocation, no I/O wait): a token, or
+    None to have the storage stored by ``store`` on a worker. A token from it is loaded with
+    ``load`` on the thread that unpacks the tensor. ``HostOffloader`` implements it.
+
     Example:
         >>> class Mine:
         ...     name = "mine"
