@@ -63,8 +63,12 @@ class EntryTable:
         min_offload_bytes: int,
         on_drop: Callable[[Entry], None],
         on_empty: Callable[[], None],
+        engine_busy: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.lock = threading.Lock()
+        # Reentrant only so that ``_is_owned`` can tell Note [Releases from the collector].
+        self.lock = threading.RLock()
+        self._engine_busy = engine_busy
+        self._deferred: list[Entry] = []
         self._by_stamp: dict[int, list[Entry]] = {}
         self._min_offload_bytes = min_offload_bytes
         self._on_drop = on_drop
@@ -88,6 +92,8 @@ class EntryTable:
         one, offloaded if ``offload`` and the storage is at least ``min_offload_bytes``.
         Returns (handle, the entry if it is new); the caller hands a new entry to the transfer
         engine (its reference is counted already, so it cannot be dropped meanwhile)."""
+        if self._deferred and not self._engine_busy():
+            self.drain()  # Note [Releases from the collector]
         stamp = getattr(storage, STAMP_ATTR, None)
         if stamp is None:
             stamp = next(_STAMPS)
@@ -128,7 +134,33 @@ class EntryTable:
         return Handle(entry, self.release, None, scope), entry
 
     def release(self, entry: Entry) -> None:
-        """One handle of ``entry`` died (``Handle.__del__``)."""
+        """One handle of ``entry`` died (``Handle.__del__``).
+
+        Note [Releases from the collector]: a handle can die inside the garbage collector,
+        which runs at whatever allocation crosses its threshold, also one made while this
+        thread holds the table's or the engine's lock (creating an entry, finishing a
+        transfer). Handles held by a reference cycle (an exception's traceback holding a
+        failed step's graph) die that way. Taking the lock again there would deadlock the
+        thread on itself; such a release is queued instead and done by the next release or
+        pack outside the locks (``drain``)."""
+        if self.lock._is_owned() or self._engine_busy():  # type: ignore[attr-defined]
+            self._deferred.append(entry)  # list.append is atomic
+            return
+        self._release(entry)
+        if self._deferred:
+            self.drain()
+
+    def drain(self) -> None:
+        """Do the releases queued by Note [Releases from the collector] (no lock held)."""
+        deferred = self._deferred
+        while deferred:
+            try:
+                entry = deferred.pop()
+            except IndexError:  # another thread drained it meanwhile
+                return
+            self._release(entry)
+
+    def _release(self, entry: Entry) -> None:
         with self.lock:
             entry.refs -= 1
             if entry.refs or self.closed:

@@ -102,7 +102,11 @@ class TensorCache:
             config, self.boundary, offloader, functools.partial(_on_cuda, model),
             functools.partial(_store_wait_s, self._engine), self._engine.reserve_later,
         )
-        self._table = EntryTable(config.min_offload_bytes, self._engine.drop, self._on_empty_weak())
+        engine = self._engine
+        self._table = EntryTable(
+            config.min_offload_bytes, engine.drop, self._on_empty_weak(),
+            engine_busy=lambda: engine.lock._is_owned(),  # Note [Releases from the collector]
+        )
         # Live graphs hold the hooks (autograd keeps the unpack hook with every saved
         # tensor): the hooks hold the cache only weakly, so a graph never keeps it alive.
         self._hooks = CacheHooks(

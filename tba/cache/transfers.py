@@ -64,7 +64,7 @@ class Transfers(TransferWorkers):
         self._store_now = getattr(offloader, "store_now", None)
         self.trace = trace
         self.streams = streams
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant for ``_is_owned``: Note [Releases from the collector]
         # Three conditions on the one lock, so that a finished transfer wakes only those
         # waiting for one (backpressure, wait_for_stores, an inline load of another thread),
         # never idle workers: a woken worker costs GIL hand-offs with the training thread.

@@ -179,6 +179,9 @@ class _OwnedLock:
     def locked(self) -> bool:
         return self._lock.locked()
 
+    def _is_owned(self) -> bool:
+        return self.owner == threading.get_ident()
+
     __enter__ = acquire
 
     def __exit__(self, *exc: object) -> None:
