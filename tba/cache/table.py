@@ -30,6 +30,7 @@ backward time).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from collections.abc import Callable
@@ -42,6 +43,24 @@ from tba.cache.entries import Entry, Handle
 __all__ = ["EntryTable"]
 
 _STAMPS = itertools.count(1)  # Note [Storage stamps]
+
+# Note [Releases from the collector]: True while the garbage collector runs (set by a
+# ``gc.callbacks`` entry that the first EntryTable installs): a release then may come from
+# inside any lock of this thread, tba's or an offloader's.
+_collecting = False
+_callback_installed = False
+
+
+def _on_collection(phase: str, info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+def _install_collection_callback() -> None:
+    global _callback_installed
+    if not _callback_installed:
+        _callback_installed = True
+        gc.callbacks.append(_on_collection)
 
 
 def _nothing(*args: object) -> None:
@@ -69,6 +88,7 @@ class EntryTable:
         self.lock = threading.RLock()
         self._engine_busy = engine_busy
         self._deferred: list[Entry] = []
+        _install_collection_callback()
         self._by_stamp: dict[int, list[Entry]] = {}
         self._min_offload_bytes = min_offload_bytes
         self._on_drop = on_drop
@@ -92,7 +112,7 @@ class EntryTable:
         one, offloaded if ``offload`` and the storage is at least ``min_offload_bytes``.
         Returns (handle, the entry if it is new); the caller hands a new entry to the transfer
         engine (its reference is counted already, so it cannot be dropped meanwhile)."""
-        if self._deferred and not self._engine_busy():
+        if self._deferred and not _collecting and not self._engine_busy():
             self.drain()  # Note [Releases from the collector]
         stamp = getattr(storage, STAMP_ATTR, None)
         if stamp is None:
@@ -139,11 +159,13 @@ class EntryTable:
         Note [Releases from the collector]: a handle can die inside the garbage collector,
         which runs at whatever allocation crosses its threshold, also one made while this
         thread holds the table's or the engine's lock (creating an entry, finishing a
-        transfer). Handles held by a reference cycle (an exception's traceback holding a
-        failed step's graph) die that way. Taking the lock again there would deadlock the
-        thread on itself; such a release is queued instead and done by the next release or
-        pack outside the locks (``drain``)."""
-        if self.lock._is_owned() or self._engine_busy():  # type: ignore[attr-defined]
+        transfer) or an offloader's lock (allocating an extent). Handles held by a reference
+        cycle (an exception's traceback holding a failed step's graph) die that way. Taking
+        the lock again there would deadlock the thread on itself; such a release (any release
+        while the collector runs, or while this thread holds the table's or the engine's
+        lock) is queued instead and done by the next release or pack outside the collector
+        and the locks (``drain``)."""
+        if _collecting or self.lock._is_owned() or self._engine_busy():  # type: ignore[attr-defined]
             self._deferred.append(entry)  # list.append is atomic
             return
         self._release(entry)

@@ -1,5 +1,6 @@
 """Note [Releases from the collector]: handles freed by the garbage collector while this thread
-holds the table's or the engine's lock are released later, never deadlock the thread."""
+holds the table's, the engine's or an offloader's lock are released later, never deadlock the
+thread."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _run_bounded(fn) -> None:
         raise errors[0]
 
 
-@pytest.mark.parametrize("where", ["table", "engine"])
+@pytest.mark.parametrize("where", ["table", "engine", "offloader"])
 def test_handles_collected_under_a_cache_lock_are_released_later(
     monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
@@ -72,6 +73,16 @@ def test_handles_collected_under_a_cache_lock_are_released_later(
                 super().__init__(*args, **kwargs)
 
         monkeypatch.setattr(table_module, "Entry", CollectingEntry)
+    elif where == "offloader":  # inside the host pool's lock (taking an extent for a store)
+        from tba.offloaders.host import HostOffloader
+
+        real_take = HostOffloader._take
+
+        def take(self, pinned, num_bytes):
+            collect_once()
+            return real_take(self, pinned, num_bytes)
+
+        monkeypatch.setattr(HostOffloader, "_take", take)
     else:  # the collector runs inside the engine's lock (a new entry's accounting)
         real_note = transfers_module.Transfers._note_peak
 
