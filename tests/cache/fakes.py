@@ -112,3 +112,19 @@ class RecordingStreams:
     def consume(self, event: Any, tensor: torch.Tensor, producer: Any) -> bool:
         self._add("consume", event, tensor.untyped_storage().data_ptr(), threading.get_ident(), producer)
         return False  # one fake stream: the consumer is the allocation stream
+
+
+def bare_engine(offloader: Any, saved: torch.Tensor) -> tuple[Any, Any]:
+    """A transfer engine alone (no cache, real stream layer) and one offloadable entry for
+    ``saved``, holding its one reference: for tests that drive the engine's calls directly."""
+    from tba.cache.entries import Entry
+    from tba.cache.streams import DeviceStreams
+    from tba.cache.trace import TraceRecorder
+    from tba.cache.transfers import Transfers
+
+    engine = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
+                       max_inflight_bytes=1 << 30, on_io_error="raise", trace=TraceRecorder())
+    storage = saved.untyped_storage()
+    entry = Entry(1, 1, saved, storage, storage.nbytes(), True, None)
+    entry.refs = 1
+    return engine, entry

@@ -15,7 +15,7 @@ from torch import nn
 import tba
 from tba.cache.tensor_cache import TensorCache
 from tests import models
-from tests.cache.fakes import FakeOffloader
+from tests.cache.fakes import FakeOffloader, bare_engine
 
 JOIN_S = 30.0
 
@@ -254,19 +254,13 @@ def test_fetch_of_a_running_store_keeps_the_bytes_without_prefetch() -> None:
     """The engine alone: unpack (fetch) of an entry whose store is running, with no prefetch
     before it, keeps the bytes in memory once the store finishes: a second fetch reads
     nothing and the bytes stay counted as resident."""
-    from tba.cache.entries import Entry, State
-    from tba.cache.streams import DeviceStreams
-    from tba.cache.trace import TraceRecorder
-    from tba.cache.transfers import Transfers
+    from tba.cache.entries import State
 
     offloader = FakeOffloader()
     offloader.gate = threading.Event()
-    engine = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
-                       max_inflight_bytes=1 << 30, on_io_error="raise", trace=TraceRecorder())
     saved = torch.arange(1024, dtype=torch.float32)
+    engine, entry = bare_engine(offloader, saved)
     storage = saved.untyped_storage()
-    entry = Entry(1, 1, saved, storage, storage.nbytes(), True, None)
-    entry.refs = 1
     try:
         engine.add(entry)
         engine.flush()

@@ -10,14 +10,12 @@ import pytest
 import torch
 
 import tba
-from tba.cache.entries import Entry, State
-from tba.cache.streams import DeviceStreams
-from tba.cache.trace import TraceRecorder
-from tba.cache.transfers import Transfers
+from tba.cache.entries import State
 from tba.cache.workers import INLINE_MAX_BYTES
 from tba.errors import OffloadIOError
 from tba.offloaders.host import HostOffloader
 from tests import models
+from tests.cache.fakes import bare_engine
 from tests.twin import assert_bytes_moved, run_twins
 
 JOIN_S = 30.0
@@ -152,13 +150,7 @@ def test_a_second_thread_waits_for_an_inline_load_and_gets_the_same_bytes() -> N
 
     offloader = GatedHost()
     offloader.release(offloader.store(torch.zeros(16, dtype=torch.uint8)))  # a slab with room
-    engine = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
-                       max_inflight_bytes=1 << 30, on_io_error="raise", trace=TraceRecorder())
-    saved = torch.arange(256, dtype=torch.float32)
-    storage = saved.untyped_storage()
-    entry = Entry(1, 1, saved, storage, storage.nbytes(), True, None)
-    entry.refs = 1
-    del storage
+    engine, entry = bare_engine(offloader, torch.arange(256, dtype=torch.float32))
     results: dict[str, object] = {}
     try:
         engine.add(entry)
