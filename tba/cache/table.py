@@ -112,8 +112,7 @@ class EntryTable:
         one, offloaded if ``offload`` and the storage is at least ``min_offload_bytes``.
         Returns (handle, the entry if it is new); the caller hands a new entry to the transfer
         engine (its reference is counted already, so it cannot be dropped meanwhile)."""
-        if self._deferred and not _collecting and not self._engine_busy():
-            self.drain()  # Note [Releases from the collector]
+        self.drain_if_safe()  # Note [Releases from the collector]
         stamp = getattr(storage, STAMP_ATTR, None)
         if stamp is None:
             stamp = next(_STAMPS)
@@ -170,6 +169,14 @@ class EntryTable:
             return
         self._release(entry)
         if self._deferred:
+            self.drain()
+
+    def drain_if_safe(self) -> None:
+        """Do the queued releases now unless this thread is inside the collector or holds the
+        table's or the engine's lock (Note [Releases from the collector]). Called at every
+        pack and by the cache's public calls (``stats``, ``summary``, ``wait_for_stores``), so
+        a step whose last release the collector made still ends without another forward."""
+        if self._deferred and not _collecting and not self.lock._is_owned() and not self._engine_busy():  # type: ignore[attr-defined]
             self.drain()
 
     def drain(self) -> None:

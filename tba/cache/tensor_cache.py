@@ -135,6 +135,7 @@ class TensorCache:
     # ------------------------------------------------------------------ public API
     def stats(self, cumulative: bool = False) -> CacheStats:
         """Counters of the last completed step, or totals over all steps with ``cumulative``."""
+        self._table.drain_if_safe()
         self._raise_violation()
         with self._stats_lock:
             out = dataclasses.replace(self._steps.total if cumulative else self._steps.last)
@@ -153,6 +154,7 @@ class TensorCache:
         """A readable table of the last ``last`` steps: bytes offloaded, forwarded,
         deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded,
         followed by the last decision (``adaptive_decision``) with its measurements and reason."""
+        self._table.drain_if_safe()
         with self._stats_lock:
             rows = list(self._steps.history)[-last:]
             tiers = self._steps.total.tiers
@@ -172,6 +174,7 @@ class TensorCache:
             TBAError: stores are still in flight after ``timeout_s`` seconds.
             OffloadIOError: a store failed (with ``on_io_error="raise"``).
         """
+        self._table.drain_if_safe()
         self._engine.wait_for_stores(timeout_s)
 
     def set_stage(

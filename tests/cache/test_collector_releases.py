@@ -123,3 +123,26 @@ def test_handles_collected_under_a_cache_lock_are_released_later(
     reference(models.vector_batch(0)).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("call", ["stats", "summary", "wait_for_stores"])
+def test_a_step_the_collector_ended_is_counted_at_the_next_public_call(call: str) -> None:
+    """Note [Releases from the collector]: the releases the collector queued are done by the
+    cache's next public call, not only by a later forward: the step they end is counted."""
+    model = models.Stack(num_blocks=3)
+    with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
+                                    min_offload_bytes=0, adaptive=False) as cache:
+        torch.manual_seed(0)
+        model(models.vector_batch(0)).backward()
+        packed_per_step = cache.stats().num_packed
+        assert packed_per_step > 0
+        gc.disable()  # the collection happens exactly where the test puts it
+        try:
+            _cycle_holding_a_graph(model)  # a forward whose graph only a cycle holds
+            assert gc.collect() > 0
+        finally:
+            gc.enable()
+        assert cache._table._deferred, "the collector's releases were not queued"
+        getattr(cache, call)()
+        assert not cache._table._deferred and cache._table.num_entries == 0
+        assert cache.stats(cumulative=True).num_packed == 2 * packed_per_step
