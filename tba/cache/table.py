@@ -163,7 +163,8 @@ class EntryTable:
         the lock again there would deadlock the thread on itself; such a release (any release
         while the collector runs, or while this thread holds the table's or the engine's
         lock) is queued instead and done by the next release or pack outside the collector
-        and the locks (``drain``)."""
+        and the locks, or by the cache's next ``stats``, ``summary`` or ``wait_for_stores``
+        (``drain_if_safe``): a step whose last release was queued still ends."""
         if _collecting or self.lock._is_owned() or self._engine_busy():  # type: ignore[attr-defined]
             self._deferred.append(entry)  # list.append is atomic
             return
