@@ -118,12 +118,12 @@ def test_an_inline_load_failure_is_raised_in_backward_then_a_retry_reads_it() ->
     reference(x).backward()
     with tba.configure_tensor_cache(model, **options(offloader)) as cache:
         # Small stores fall back to the workers (and then load there) while the host pool has
-        # no room: in the first step until a worker has grown it, in the second until a worker
-        # has resized it to the reserve the first step asked for. How many went inline in
-        # those steps depends on timing; from the third on the pool has room for every one.
-        for _ in range(2):
-            torch.manual_seed(0)
-            model(x).backward()
+        # no room, until a worker has grown it: a first step whose stores all complete (and
+        # are not cancelled by its backward) grows it; the second step stores inline.
+        torch.manual_seed(0)
+        warm = model(x)
+        cache.wait_for_stores(JOIN_S)
+        warm.backward()
         model.zero_grad()
         del offloader.calls[:]
         torch.manual_seed(0)
