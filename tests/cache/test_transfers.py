@@ -181,7 +181,7 @@ def test_io_error_keep_warns_once_and_stays_bit_exact() -> None:
     offloader.fail_store = True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cache = run_twins(models.Stack, models.vector_batch, steps=3, offloader=offloader,
+        cache = run_twins(models.Stack, models.vector_batch, steps=3, settle=True, offloader=offloader,
                           offload_devices=("cpu",), min_offload_bytes=0, on_io_error="keep")
     relevant = [w for w in caught if "on_io_error='keep'" in str(w.message)]
     assert len(relevant) == 1

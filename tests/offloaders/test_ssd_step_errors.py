@@ -148,7 +148,7 @@ def test_pathlike_ssd_dirs(tmp_path: Path) -> None:
     assert tba.TensorCacheConfig(ssd_dirs=drives).ssd_dirs == tuple(map(str, drives))
     assert tba.TensorCacheConfig(ssd_dirs=drives[0]).ssd_dirs == (str(drives[0]),)
     cache = run_twins(lambda: models.Stack(num_blocks=4, width=128), models.vector_batch, steps=3,
-                      ssd_dirs=drives, **_OPTIONS)
+                      settle=True, ssd_dirs=drives, **_OPTIONS)
     total = cache.stats(cumulative=True)
     assert total.offloaded_bytes > 0 and total.reloaded_bytes > 0
     assert all(list(d.iterdir()) == [] for d in drives)

@@ -165,7 +165,7 @@ def test_untampered_training_is_bit_exact_with_verification_on(tmp_path: Path) -
     from tests.twin import run_twins
 
     cache = run_twins(
-        lambda: models.Stack(num_blocks=4, width=128), models.vector_batch, steps=3, offloader="ssd",
+        lambda: models.Stack(num_blocks=4, width=128), models.vector_batch, steps=3, settle=True, offloader="ssd",
         ssd_engine="posix", ssd_dirs=(str(tmp_path),), offload_devices=("cpu",), min_offload_bytes=0,
         adaptive=False, keep_last_modules=0, prefetch_modules=0, verify="checksum",
     )
