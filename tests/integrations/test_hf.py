@@ -136,4 +136,6 @@ def test_peft_lora_through_trainer_is_bit_exact(tmp_path):
             assert torch.equal(want[name], have[name]), f"step {step}: grad of {name} differs"
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a, b), f"parameter {name} differs after training"
-    assert all(e["tba/offloaded_bytes"] > 0 for e in logs if "loss" in e), logs
+    # The Trainer runs backward right after forward: on a loaded machine a step's stores may
+    # all be cancelled (backward needed the tensors first), so not every step offloads.
+    assert any(e["tba/offloaded_bytes"] > 0 for e in logs if "loss" in e), logs
