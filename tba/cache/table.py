@@ -112,7 +112,8 @@ class EntryTable:
         one, offloaded if ``offload`` and the storage is at least ``min_offload_bytes``.
         Returns (handle, the entry if it is new); the caller hands a new entry to the transfer
         engine (its reference is counted already, so it cannot be dropped meanwhile)."""
-        self.drain_if_safe()  # Note [Releases from the collector]
+        if self._deferred:  # a list test only: pack runs for every saved tensor
+            self.drain_if_safe()  # Note [Releases from the collector]
         stamp = getattr(storage, STAMP_ATTR, None)
         if stamp is None:
             stamp = next(_STAMPS)
