@@ -55,6 +55,10 @@ class Offloader(Protocol):
     def reserve(self, num_bytes: int) -> None:
         """Hint from the profiled step: about ``num_bytes`` will be held at once. May do nothing.
 
+        ``num_bytes == 0``: the policy decided to offload nothing for now: give back memory kept
+        for transfers that nothing uses (staging buffers, empty pool space); stores may come
+        again later (a new profile) and may allocate it again.
+
         Called on a store worker while no transfer runs, never under the cache's locks (it may
         take time: pinning memory, preallocating files); an exception is raised in the
         training step."""

@@ -17,7 +17,8 @@ class ExtentAllocator:
     Example:
         >>> a = ExtentAllocator(1 << 20, alignment=4096)
         >>> off = a.allocate(5000)   # 8192 bytes reserved at offset 0
-        >>> a.free(off)
+        >>> a.free(off)              # the free range it joined: all of it
+        (0, 1048576)
     """
 
     def __init__(self, capacity_bytes: int, alignment: int = 4096) -> None:
@@ -57,8 +58,9 @@ class ExtentAllocator:
                 return start
         return None
 
-    def free(self, offset: int) -> None:
-        """Give back the range that ``allocate`` returned at ``offset``."""
+    def free(self, offset: int) -> tuple[int, int]:
+        """Give back the range that ``allocate`` returned at ``offset``; returns the free range
+        ``(offset, size)`` it is now part of (coalesced with its free neighbours)."""
         with self._lock:
             size = self._used.pop(offset, None)
             assert size is not None, f"double free or foreign offset {offset}"
@@ -73,9 +75,10 @@ class ExtentAllocator:
                 prev = self._free_starts[i - 1]
                 if prev + self._free_sizes[prev] == offset:
                     self._free_sizes[prev] += size
-                    return
+                    return prev, self._free_sizes[prev]
             self._free_starts.insert(i, offset)
             self._free_sizes[offset] = size
+            return offset, size
 
     @property
     def largest_free_bytes(self) -> int:

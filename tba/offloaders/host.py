@@ -13,7 +13,7 @@ from tba.errors import TBAError
 from tba.offloaders._stream_wait import wait_for_stream
 
 from tba.offloaders.extents import ExtentAllocator
-from tba.offloaders.host_memory import HostAllocator, HostBuffer
+from tba.offloaders.host_memory import PAGE_BYTES, HostAllocator, HostBuffer, discard_pages
 
 __all__ = ["HostOffloader"]
 
@@ -232,21 +232,43 @@ class HostOffloader:
             wait_for_stream(dst.device)
 
     def release(self, token: _Token) -> None:
+        slab, offset, num_bytes = token
         with self._lock:
             if self._closed:
                 return
-            token[0].extents.free(token[1])
+            start, size = slab.extents.free(offset)
+            if not slab.buffer.pinned:
+                # Note [Pageable pool pages go back]: the pages the freed extent touches that are
+                # now wholly free; under the lock, so no store is given them meanwhile.
+                stop = offset + slab.extents.rounded(num_bytes)
+                discard_pages(slab.buffer, max(start, offset - PAGE_BYTES + 1),
+                              min(start + size, stop + PAGE_BYTES - 1))
 
     def reserve(self, num_bytes: int) -> None:
         """Size each pool to ``num_bytes`` (the profiled step's peak). Cheap and non-blocking:
-        only records the size; see Note [Reserve off the training thread]."""
+        only records the size; see Note [Reserve off the training thread]. ``0``: nothing is
+        offloaded for now: give back every slab that holds nothing (the next store allocates
+        one of the size reserved before)."""
         if num_bytes <= 0:
+            self._give_back_empty_slabs()
             return
         with self._lock:
             self._reserve_bytes = num_bytes
             for pinned, slabs in self._slabs.items():
                 if not (len(slabs) == 1 and slabs[0].extents.capacity_bytes >= num_bytes):
                     self._reserve_pending.add(pinned)
+
+    def _give_back_empty_slabs(self) -> None:
+        with self._lock:
+            empty = [s for slabs in self._slabs.values() for s in slabs if not s.extents.num_allocations]
+            for pinned, slabs in self._slabs.items():
+                slabs[:] = [s for s in slabs if s.extents.num_allocations]
+                if self._reserve_bytes is not None and not slabs:
+                    self._reserve_pending.add(pinned)  # regrow at the reserved size at once
+        for slab in empty:
+            slab.buffer.release()
+        if empty:
+            logger.debug("host pool: gave back %d empty slabs", len(empty))
 
     def close(self) -> None:
         with self._lock:

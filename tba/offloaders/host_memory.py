@@ -14,13 +14,25 @@ asynchronous as from PyTorch's pinned blocks (``Tensor.is_pinned()`` is True for
 
 When pinning fails (locked-memory limit, no driver, an address range CUDA refuses) the buffer
 stays pageable: transfers still work, synchronously and slower, and a warning says so once.
+
+Note [Pageable pool pages go back]
+A pool keeps its slabs step after step, but the pages of a pageable slab that no stored tensor
+uses are given back to the OS (``madvise(MADV_DONTNEED)``, Linux) as soon as they are free:
+on CPU the pool lives in the same memory as the training, and pages kept after their extent
+was released would count those bytes twice in the process's memory (once in the pool, once
+again as the next step's activations waiting for their store). A page comes back zeroed at
+its next write (a page fault: the price of not holding it). Pinned slabs keep their pages:
+they are not the training device's memory, and unpinning and pinning again costs far more.
+Tested in tests/offloaders/test_host.py::test_pageable_pool_gives_released_pages_back.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import mmap
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -28,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["HostAllocator", "HostBuffer", "Pinner", "CudaHostRegister"]
+__all__ = ["HostAllocator", "HostBuffer", "Pinner", "CudaHostRegister", "discard_pages"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +106,43 @@ class HostBuffer:
         self.tensor = None  # the mapping is unmapped when the last view of it dies
 
 
+def _anonymous(num_bytes: int) -> mmap.mmap:
+    """Private anonymous memory (as malloc's): ``MADV_DONTNEED`` frees its pages (a shared
+    mapping, Python's default, would keep them in shared memory)."""
+    flags = getattr(mmap, "MAP_PRIVATE", None)
+    if flags is None:  # Windows: no flags
+        return mmap.mmap(-1, num_bytes)
+    return mmap.mmap(-1, num_bytes, flags=flags | mmap.MAP_ANONYMOUS)
+
+
+_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+_madvise: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+
+
+def discard_pages(buffer: HostBuffer, start: int, stop: int) -> int:
+    """Give back to the OS the whole pages of ``buffer`` inside bytes ``[start, stop)`` (Note
+    [Pageable pool pages go back]): their content is lost, the next access finds zeros. Only
+    for pageable buffers on Linux (elsewhere, and for pinned buffers, nothing happens); the
+    caller makes sure no one uses those bytes. Returns the bytes given back."""
+    global _madvise
+    tensor = buffer.tensor
+    if buffer.pinned or tensor is None or not sys.platform.startswith("linux"):
+        return 0
+    first = -(-start // PAGE_BYTES) * PAGE_BYTES  # buffers start on a page
+    last = stop // PAGE_BYTES * PAGE_BYTES
+    if last <= first:
+        return 0
+    if _madvise is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise.restype = ctypes.c_int
+        _madvise = libc.madvise
+    if _madvise(tensor.data_ptr() + first, last - first, _MADV_DONTNEED) != 0:
+        logger.debug("madvise(MADV_DONTNEED) failed: errno %d", ctypes.get_errno())
+        return 0
+    return last - first
+
+
 class HostAllocator:
     """Allocates ``HostBuffer``s and counts what is pinned.
 
@@ -120,7 +169,7 @@ class HostAllocator:
         if num_bytes <= 0:
             raise ValueError(f"num_bytes must be > 0, got {num_bytes}")
         mapped_bytes = (num_bytes + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
-        mapping = mmap.mmap(-1, mapped_bytes)
+        mapping = _anonymous(mapped_bytes)
         tensor = torch.frombuffer(mapping, dtype=torch.uint8)[:num_bytes]
         del mapping  # the tensor keeps it alive
         if not pinned:

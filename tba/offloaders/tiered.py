@@ -212,8 +212,11 @@ class TieredOffloader:
         self._offloader(token.tier).release(token.inner)
 
     def reserve(self, num_bytes: int) -> None:
-        """Size the host pool for up to the budget and the spill tier for the rest."""
+        """Size the host pool for up to the budget and the spill tier for the rest (``0``: both
+        give back what they hold for idle transfers)."""
         if num_bytes <= 0:
+            self.host.reserve(0)
+            self.spill.reserve(0)
             return
         self.host.reserve(min(num_bytes, self.host_budget_bytes))
         if num_bytes > self.host_budget_bytes:

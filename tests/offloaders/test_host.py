@@ -153,3 +153,77 @@ def test_max_pool_bytes_holds_when_another_store_grows_the_pool_meanwhile(outer_
         off.load(token, out)
         assert torch.equal(out, src) and token[1] == 1024
     off.close()
+
+
+def _resident_pages(buffer_tensor: torch.Tensor, start: int, stop: int) -> list[bool]:
+    """Which pages of ``buffer_tensor`` (page-aligned) in bytes ``[start, stop)`` are in memory
+    (``mincore``)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    num_pages = (stop - start) // page
+    vec = (ctypes.c_ubyte * num_pages)()
+    assert libc.mincore(ctypes.c_void_p(buffer_tensor.data_ptr() + start), ctypes.c_size_t(stop - start), vec) == 0
+    return [bool(v & 1) for v in vec]
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise/mincore are Linux's")
+def test_pageable_pool_gives_released_pages_back() -> None:
+    # Note [Pageable pool pages go back]: a released extent's pages leave the process's memory
+    # at once (on CPU the pool is the training's own memory); neighbours keep theirs and their
+    # bytes; the space is reused and round-trips exactly.
+    mib = 1 << 20
+    off = HostOffloader()
+    try:
+        tensors = [torch.full((mib + 100,), i + 1, dtype=torch.uint8) for i in range(3)]
+        tokens = [off.store(t) for t in tensors]
+        slab = tokens[0][0]
+        host = slab.buffer.tensor
+        assert not slab.buffer.pinned and len({t[0] for t in tokens}) == 1
+        page = 4096
+        # Whole pages inside each extent (the first and the last may be shared with a neighbour).
+        inside = [(-(-t[1] // page) * page, (t[1] + slab.extents.rounded(t[2])) // page * page) for t in tokens]
+        ends = [t[1] + slab.extents.rounded(t[2]) for t in tokens]
+        assert all(all(_resident_pages(host, a, b)) for a, b in inside)
+        off.release(tokens[1])
+        # Whole pages of the freed extent are gone; the ones it shares with a neighbour stay.
+        assert not any(_resident_pages(host, *inside[1])) and inside[1][1] - inside[1][0] > 200 * page
+        assert _resident_pages(host, inside[1][0] - page, inside[1][0]) == [True]  # shared with tokens[0]
+        assert all(_resident_pages(host, *inside[0])) and all(_resident_pages(host, *inside[2]))
+        for t, token in ((tensors[0], tokens[0]), (tensors[2], tokens[2])):  # neighbours intact
+            out = torch.empty_like(t)
+            off.load(token, out)
+            assert torch.equal(out, t)
+        again = off.store(tensors[1])  # the freed extent, written to fresh pages
+        assert again[1] == tokens[1][1]
+        out = torch.empty_like(tensors[1])
+        off.load(again, out)
+        assert torch.equal(out, tensors[1])
+        for token in (tokens[0], again, tokens[2]):
+            off.release(token)
+        assert sum(_resident_pages(host, 0, ends[2] // page * page)) <= 1  # only a shared edge, if any
+    finally:
+        off.close()
+
+
+def test_reserve_zero_gives_back_empty_slabs() -> None:
+    # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps.py: the
+    # cache calls reserve(0) when its policy offloads nothing; slabs holding a token stay.
+    off = HostOffloader()
+    try:
+        a = off.store(torch.ones(10, dtype=torch.uint8))
+        off.reserve(5 << 20)
+        off.reserve(0)
+        assert off.capacity_bytes > 0  # the slab holds ``a``
+        off.release(a)
+        off.reserve(0)
+        assert off.capacity_bytes == 0
+        token = off.store(torch.full((7,), 3, dtype=torch.uint8))  # regrows at the reserved size
+        assert off.capacity_bytes == 5 << 20
+        out = torch.empty(7, dtype=torch.uint8)
+        off.load(token, out)
+        assert torch.equal(out, torch.full((7,), 3, dtype=torch.uint8))
+    finally:
+        off.close()

@@ -286,3 +286,31 @@ def test_storing_leaves_the_source_resizable(offloader: SSDOffloader) -> None:
     assert torch.equal(out, src) and out.untyped_storage().resizable()
     src.untyped_storage().resize_(0)
     offloader.release(token)
+
+
+def test_reserve_zero_frees_idle_staging_buffers(offloader: SSDOffloader) -> None:
+    # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps.py: the
+    # staging buffers of the posix engine go; the next unaligned store makes one again.
+    src = typed_tensor(3 * _MiB + 5, torch.uint8)[5:]  # not page-aligned: staged
+    token = offloader.store(src)
+    pool = offloader._engine._pool
+    assert pool._num_allocated >= 1
+    offloader.reserve(0)
+    assert pool._num_allocated == 0 and not pool._free
+    out = torch.empty_like(src)
+    offloader.load(token, out)
+    assert torch.equal(out, src) and pool._num_allocated >= 1
+    offloader.release(token)
+
+
+def test_staging_trim_keeps_buffers_in_use() -> None:
+    from tba.offloaders.ssd._staging import StagingPool
+
+    pool = StagingPool(4096, max_buffers=3)
+    held, idle = pool.acquire(block=True), pool.acquire(block=True)
+    pool.release(idle)
+    pool.trim()
+    assert pool._num_allocated == 1 and not pool._free
+    pool.release(held)  # the one in use comes back and counts within the limit
+    assert [pool.acquire(block=False) for _ in range(3)].count(None) == 0
+    assert pool.acquire(block=False) is None

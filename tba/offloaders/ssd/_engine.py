@@ -99,6 +99,11 @@ class IOEngine(Protocol):
         """Fill every request's buffer; raise ``OffloadIOError`` after all have finished."""
         ...
 
+    def release_idle(self) -> None:
+        """Free memory kept for transfers that are not running (staging buffers); it is
+        allocated again by the next transfer that needs it. Safe while transfers run."""
+        ...
+
     def close(self) -> None:
         """Stop threads and free staging memory. Idempotent."""
         ...

@@ -306,8 +306,13 @@ class SSDOffloader:
         ``OffloadIOError`` (errno ENOSPC, numbers per directory) is logged and raised by the
         next :meth:`store`, once; the cache re-raises that in the training step (with
         ``on_io_error="keep"`` it keeps that tensor in memory and warns). To fail at once,
-        pass ``expected_bytes`` to the constructor.
+        pass ``expected_bytes`` to the constructor. ``0``: nothing is offloaded for now: the
+        engine frees its idle staging buffers (the slab files stay for the next stores).
         """
+        if num_bytes <= 0:
+            if not self._resources.closed:
+                self._engine.release_idle()
+            return
         self._check_open()
         if getattr(self._engine, "gds", False):
             # Training is under way and PyTorch has reserved what it needs: if the malloc hook

@@ -83,6 +83,9 @@ class PosixEngine:
     def close_file(self, handle: PosixFile) -> None:
         handle.close()
 
+    def release_idle(self) -> None:
+        self._pool.trim()
+
     def close(self) -> None:
         with self._lock:
             executor, self._executor = self._executor, None

@@ -71,11 +71,24 @@ class StagingPool:
             self._free.append(staging)
             self._cond.notify()
 
+    def trim(self) -> None:
+        """Free the buffers no transfer holds now (those in use stay); later calls to
+        :meth:`acquire` make new ones."""
+        with self._cond:
+            free, self._free = self._free, []
+            self._num_allocated -= len(free)
+            self._cond.notify_all()
+        _release(free)
+
     def clear(self) -> None:
         with self._cond:
             free, self._free = self._free, []
             self._num_allocated = 0
-        for staging in free:
-            release = getattr(staging.keepalive, "release", None)
-            if release is not None:
-                release()  # unpin and unmap
+        _release(free)
+
+
+def _release(buffers: list[Staging]) -> None:
+    for staging in buffers:
+        release = getattr(staging.keepalive, "release", None)
+        if release is not None:
+            release()  # a HostBuffer: unpin and unmap
