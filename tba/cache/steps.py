@@ -73,6 +73,7 @@ class Steps:
         self._num_forwards = 0  # forwards (microbatches) in the running step
         self._forwards_per_step: int | None = None
         self._reserved = False
+        self._trimmed = False  # Note [A keep-everything decision holds no offloader memory]
         # Note [Closed loop]: step times from ``clock`` (set before the first forward to
         # inject one; the default is chosen then, once the model's device is known).
         self.clock: StepClock | None = None
@@ -144,8 +145,25 @@ class Steps:
         if not self._reserved and self._num_done >= reserve_after and self._offloader and peak_held:
             self._reserved = True
             self._reserve(peak_held)
+        keeps_everything = self._keeps_everything()
+        if keeps_everything and not self._trimmed:
+            self._reserve(0)
+        self._trimmed = keeps_everything
         logger.debug("tba step finished: %s", step)
         return step
+
+    def _keeps_everything(self) -> bool:
+        """Note [A keep-everything decision holds no offloader memory]: the policy decided to
+        offload no block and is not measuring. Then ``reserve(0)`` (on the store worker) lets
+        the offloader give back the buffers and pool space its profiled and measured steps
+        used; they come back with the next store. Tested in
+        tests/cache/test_diagnose.py::test_keep_everything_decision_gives_offloader_memory_back."""
+        loop = self.loop
+        return (
+            self._deciding and self._offloader is not None and self._profile_due is None
+            and self._boundary.decision is not None and self._boundary.tail_start == 0
+            and not (loop is not None and loop.probing)
+        )
 
     def _reprofile(self, why: str) -> None:
         logger.info("tba adaptive: %s, re-profiling", why)

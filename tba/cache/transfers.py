@@ -94,7 +94,7 @@ class Transfers(TransferWorkers):
         self._orphan_store_bytes = 0
         self._orphan_load_bytes = 0
         self._pending_releases = 0  # tokens taken from entries, not yet given back
-        self._reserve_bytes = 0  # a reserve() the store worker makes when idle
+        self._reserve_bytes: int | None = None  # a reserve() the store worker makes when idle
         self.step = CacheStats()
 
     # ----------------------------------------------------------------- training thread side
@@ -272,7 +272,7 @@ class Transfers(TransferWorkers):
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
             while (
-                (self.inflight_bytes > 0 or self._reserve_bytes)
+                (self.inflight_bytes > 0 or self._reserve_bytes is not None)
                 and self.error is None
                 and self.dead is None
             ):
@@ -287,10 +287,10 @@ class Transfers(TransferWorkers):
         self.raise_pending()
 
     def reserve_later(self, nbytes: int) -> None:
-        """Size the offloader for ``nbytes`` held at once, on the store worker before its next
-        store (loads go first): never on the autograd thread, never under a lock (pinning
-        gigabytes or preallocating files takes time). A failure is raised in the training
-        step."""
+        """Size the offloader for ``nbytes`` held at once (0: nothing is offloaded for now, give
+        back idle buffers), on the store worker before its next store (loads go first): never
+        on the autograd thread, never under a lock (pinning gigabytes or preallocating files
+        takes time). A failure is raised in the training step."""
         with self.lock:
             self._reserve_bytes = nbytes
             self._start_workers()

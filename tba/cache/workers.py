@@ -149,15 +149,15 @@ class TransferWorkers:
         while True:
             with self.lock:
                 while not self._stopping and (not self._store_q or self._load_q):
-                    if self._reserve_bytes and not self._load_q:
+                    if self._reserve_bytes is not None and not self._load_q:
                         break
                     self._store_ready.wait()
                 if self._stopping:
                     return
-                if self._reserve_bytes and not self._load_q:
+                if self._reserve_bytes is not None and not self._load_q:
                     # Before the next step's first store: it is sized for them (and a failure
                     # to reserve surfaces at that store, in the step).
-                    reserve, self._reserve_bytes = self._reserve_bytes, 0
+                    reserve, self._reserve_bytes = self._reserve_bytes, None
                     self._reserve_now(reserve)
                     continue
                 entry = self._store_q.popleft()

@@ -221,6 +221,48 @@ def test_adaptive_keep_everything_names_the_decision(monkeypatch: pytest.MonkeyP
     assert decision.reason in messages[0]
 
 
+def test_keep_everything_decision_gives_offloader_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Note [A keep-everything decision holds no offloader memory] (tba/cache/steps.py): once the
+    # policy keeps every block, the offloader gets reserve(0) once and its pool holds nothing;
+    # a policy that offloads never gets it.
+    import tba.cache.transfers as transfers
+    import tba.cache.workers as workers
+    from tba.offloaders import HostOffloader
+
+    class Recording(HostOffloader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reserved: list[int] = []
+
+        def reserve(self, num_bytes: int) -> None:
+            self.reserved.append(num_bytes)
+            super().reserve(num_bytes)
+
+    def run(slow: bool) -> tuple[tba.TensorCache, Recording]:
+        offloader = Recording()
+        model = models.Stack()
+        with monkeypatch.context() as patch:
+            if slow:  # every store seems to take 1000 s: the rule keeps every block
+                clock = _Clock()
+                patch.setattr(workers, "time", clock)
+                patch.setattr(transfers, "time", clock)
+            with caught():
+                with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cpu",),
+                                                min_offload_bytes=0, skip_modules="embed", adaptive=True,
+                                                profile_step=2) as cache:
+                    train(model, 6, cache)
+                    cache.wait_for_stores(60)  # the reserve(0) is made by the store worker
+                    return cache, offloader
+
+    cache, offloader = run(slow=True)
+    assert cache.adaptive_decision.tail_start == 0
+    # The pool grew in the profiled step; given back once (the sizing the same step asked for
+    # is overtaken by it: the store worker makes the latest request), and stays empty.
+    assert offloader.reserved == [0] and offloader.capacity_bytes == 0
+    cache, offloader = run(slow=False)
+    assert cache.adaptive_decision.tail_start > 0 and 0 not in offloader.reserved
+
+
 def test_failed_stores_are_named() -> None:
     offloader = FakeOffloader()
     offloader.fail_store = True
