@@ -249,7 +249,9 @@ class Transfers(TransferWorkers):
                 self.step.num_cancelled += 1
                 self.inflight_bytes -= entry.nbytes
                 self._notify_done()
-            elif state in (State.STORED, State.READY):
+            elif state in (State.STORED, State.READY) and entry.token is not None:
+                # (a reloaded READY entry gave its token back: Note [A reloaded entry holds no
+                # offloader space] in workers.py)
                 token, entry.token = entry.token, None
                 self._pending_releases += 1
                 self.held_bytes -= entry.nbytes

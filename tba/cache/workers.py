@@ -385,6 +385,14 @@ class TransferWorkers:
                 entry.data, entry.load_event = dst.untyped_storage(), event
                 entry.reloaded = True
                 entry.state = State.READY
+                # Note [A reloaded entry holds no offloader space]: the entry keeps its data in
+                # memory until it is dropped, so the offloaded copy is never read again: give
+                # it back now, not when backward is done (the pool and the device would each
+                # hold the bytes meanwhile; on CPU that is the same memory twice). Tested in
+                # tests/cache/test_transfers.py::test_reloaded_entries_give_their_offloader_space_back_at_once.
+                release, entry.token = entry.token, None
+                self._pending_releases += 1
+                self.held_bytes -= entry.nbytes
                 self.resident_bytes += entry.nbytes
                 self.step.reloaded_bytes += entry.nbytes
                 self.step.read_s += elapsed

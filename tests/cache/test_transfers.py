@@ -196,3 +196,42 @@ def test_custom_offloader_bit_exact_and_released() -> None:
     assert_bytes_moved(cache)
     assert offloader.num_stores > 0 and offloader.num_loads > 0
     assert offloader.closed and not offloader.blobs
+
+
+def test_reloaded_entries_give_their_offloader_space_back_at_once() -> None:
+    # Note [A reloaded entry holds no offloader space] (tba/cache/workers.py): a load's token is
+    # released as soon as the bytes are back, while backward still holds the entry, so the
+    # offloader and the device never both hold them. With one load worker, every load starts
+    # after the tokens of the loads before it were given back; prefetch (2 modules ahead) loads
+    # entries well before backward is done with them.
+    class Recording(FakeOffloader):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loaded: list[int] = []
+            self.late: list[int] = []
+
+        def load(self, token: int, dst: torch.Tensor) -> None:
+            with self.lock:
+                self.late += [t for t in self.loaded if t not in self.released]
+                self.loaded.append(token)
+            super().load(token, dst)
+
+    def run(offloader: FakeOffloader) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = models.Stack(num_blocks=6)
+        cache = make_cache(model, offloader, prefetch_modules=2) if offloader is not None else None
+        for step in range(2):
+            loss = model(models.vector_batch(step))
+            if cache is not None:
+                cache.wait_for_stores(60)  # every store done: backward reads them all back
+            loss.backward()
+        if cache is not None:
+            assert cache.stats().reloaded_bytes > 0
+            cache.close()
+        return [p.grad for p in model.parameters()]
+
+    offloader = Recording()
+    grads = run(offloader)
+    assert len(offloader.loaded) > 6 and offloader.late == []
+    assert sorted(offloader.released) == sorted(offloader.loaded) and not offloader.blobs
+    assert all(torch.equal(a, b) for a, b in zip(grads, run(None)))
