@@ -3,7 +3,8 @@
 #   bash .ci/dev.sh main [rok_curve.py args...]   # ROK benchmark: PNG + CSV + JSON under out/rok
 #   bash .ci/dev.sh test [pytest args...]         # the test suite
 # Set-up is idempotent: a virtual environment in .venv with torch 2.13.0 (never upgraded),
-# tba installed editable with its test and benchmark extras.
+# tba installed editable with the extras the command needs (main: bench; test: test, bench,
+# release and the optional packages the tests use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
@@ -24,10 +25,12 @@ fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
-pip install -q -c "$constraints" -e ".[test,bench,release]"
-bash .ci/install_optional.sh "$constraints"
-
 if [ "$what" = main ]; then
+  pip install -q -c "$constraints" -e ".[bench]"
+  rm -f "$constraints"  # exec skips the EXIT trap
   exec python benchmarks/rok_curve.py "$@"
 fi
+pip install -q -c "$constraints" -e ".[test,bench,release]"
+bash .ci/install_optional.sh "$constraints"
+rm -f "$constraints"
 exec python -m pytest -q -p no:cacheprovider "$@"

@@ -3,10 +3,10 @@
 
 Command lines (from the repository root, venv active):
 
-    # Default CPU sweep (GPT-2, 12 layers x 128 wide, seq 128; batches 1,2,4,8; 7 strategies x 3
-    # interleaved passes; < 5 min on 2 quiet cores):
+    # Default CPU sweep (GPT-2, 12 layers x 128 wide, seq 128; batches 1,2,4,8; 6 strategies x 3
+    # interleaved passes; the README gives its time):
     python benchmarks/rok_curve.py
-    # -> out/rok/rok_curve.{csv,json,png}, out/rok/rok_samples.csv, out/rok/logs/sweep.log
+    # -> out/rok/rok_curve.{png,csv,json}, rok_summary.txt, rok_samples.csv, logs/sweep.log
 
     # The committed CPU reference run:
     python benchmarks/rok_curve.py --out benchmarks/results/cpu_rok_curve

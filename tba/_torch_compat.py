@@ -15,7 +15,7 @@ __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
     "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "is_compiling",
     "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "capturing", "STAMP_ATTR",
-    "FAMILY_ATTR",
+    "FAMILY_ATTR", "top_saved_tensors_hooks",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -66,6 +66,23 @@ def release_alias(alias: torch.Tensor) -> None:
     checks that a pack hook leaves its input's version alone)."""
     with torch._C._AutoDispatchBelowADInplaceOrView():
         alias.set_()  # an empty storage of the same dtype and device
+
+
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The ``(pack, unpack)`` pair of the innermost ``saved_tensors_hooks`` on this thread (the
+    one autograd calls now), or None when none is active. Lets a hook pushed above it delegate
+    to it (the ROK sweep's accounting inside activation checkpointing's recomputation).
+
+    Raises:
+        NotImplementedError: this torch does not expose the hook stack.
+    """
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        raise NotImplementedError(
+            f"torch {torch.__version__} does not expose its saved-tensor hook stack "
+            "(torch._C._autograd._top_saved_tensors_default_hooks)"
+        )
+    return top(False)
 
 
 def in_functorch_transform() -> bool:

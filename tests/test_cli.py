@@ -102,7 +102,7 @@ def test_rok_names_the_missing_extra(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert cli.main(["rok", "--quick"]) == 2
     err = capsys.readouterr().err
-    assert "tba rok: needs matplotlib" in err and "pip install 'tba[test,bench]'" in err
+    assert "tba rok: needs matplotlib" in err and "pip install 'tba[bench]'" in err
 
 
 def _run(args: list[str], timeout_s: float, **kw) -> subprocess.CompletedProcess:

@@ -3,41 +3,48 @@
 ``tba rok`` (or ``benchmarks/rok_curve.py`` in a checkout) sweeps strategies x micro-batch
 sizes on a GPT-2 built from a transformers config and writes ``rok_curve.{csv,json,png}``
 with a printed summary. Needs ``transformers`` and, for the figure, ``matplotlib``
-(``pip install 'tba[test,bench]'``).
+(``pip install 'tba[bench]'``).
 
-Strategies: ``keep`` (tba cache with ``offloader="none"``: everything stays, accounted),
-``recompute`` (``torch.utils.checkpoint``, non-reentrant, around every ``GPT2Block``; no tba),
+Strategies: ``keep`` (plain PyTorch: everything stays), ``recompute``
+(``torch.utils.checkpoint``, non-reentrant, around every ``GPT2Block``; no tba),
 ``offload-host``, ``offload-ssd`` (tba, ``offloader="host"``/``"ssd"``, every block but the
 kept tail) and ``recompute+offload`` (checkpointing plus the SSD offloader for what is still
 saved: the block inputs and the head); ``adaptive`` (tba's default policy) and ``budget``
-(``activation_budget_bytes`` at ``--budget-fraction`` of keep's cache-resident peak at the
-same batch), both with the SSD offloader on CPU (where host memory is the device) and the
-host offloader on CUDA. A strategy whose offloader or option this tba lacks reports an
+(``activation_budget_bytes`` at ``--budget-fraction`` of keep's activation peak at the same
+batch), both with the SSD offloader on CPU (where host memory is the device) and the host
+offloader on CUDA. A strategy whose offloader or option this tba lacks reports an
 ``unavailable: reason`` row and the sweep goes on.
 
 Method: each sample of a (strategy, batch) point runs in a fresh process (forked from a
 forkserver that preloaded torch and transformers): model, AdamW, gradients and optimizer
 state are set up, the baseline is taken, then ``--warmup`` steps (a policy strategy: until its
-decision holds) and ``--steps`` measured steps run; a step is forward + backward + optimizer
-step. A sample's step time is the median of its measured steps. Every point is sampled
-``--repeats`` times in interleaved passes (Note [Interleaved samples] in ``_schedule``); a
-point reports median, mean, min and max over its samples, and each comparison with keep is
-made per pass, with a warning when the spread makes it meaningless (Note [When a comparison
-means nothing] in ``_spread``).
+decision holds), for keep and the checkpointing strategies one accounting step, and
+``--steps`` measured steps run; a step is forward + backward + optimizer step. A sample's step
+time is the median of its measured steps. Every point is sampled ``--repeats`` times in
+interleaved passes (Note [Interleaved samples] in ``_schedule``); a point reports median,
+mean, min and max over its samples, and each comparison with keep is made per pass, with a
+warning when the spread makes it meaningless (Note [When a comparison means nothing] in
+``_spread``).
 
-Activation peak:
-  * CUDA: ``torch.cuda.max_memory_allocated()`` during a step minus ``memory_allocated()``
-    after set-up (weights, gradients, optimizer state), maximum over the measured steps.
-  * CPU: the process's RSS high-water mark (``VmHWM``, reset before each step through
-    ``/proc/self/clear_refs``; ``ru_maxrss`` where that is unavailable) minus the RSS after
-    set-up. glibc is told (``mallopt``; ``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``)
-    to serve allocations above 64 KiB with their own mappings and to return frees at once,
-    so RSS follows live memory. On CPU the "device" is host memory: ``offload-host`` moves
-    activations from one part of RSS to another and cannot lower it; ``offload-ssd`` can.
-    Workers run CPU cores - 1 compute threads, leaving a core to tba's I/O threads as a GPU
-    machine would (with every core computing, the writer starves and nothing is freed early).
-  Beside it, ``cache_peak_resident_bytes`` is the cache's own exact count of saved
-  activations held in memory at the step's peak (strategies with a cache only).
+Activation peak (the x-axis; Note [One measure of activation memory] in ``_saved``): the
+peak, during a step, of the bytes of saved activations held in the training device's memory,
+the same quantity for every strategy. tba strategies: the cache's own count
+(``stats().peak_resident_bytes``, maximum over the measured steps). keep and the
+checkpointing strategies: a counting saved-tensor hook (``SavedActivationMeter``) on the
+accounting step, above tba's hooks and inside checkpoint's recomputation. On CPU the
+"device" is host memory: the measure counts what the training process holds, not what tba
+moved to its host pool or SSD.
+
+Beside it: ``process_rss_peak_bytes``, the process's RSS high-water mark during a measured
+step (``VmHWM``, reset before each step through ``/proc/self/clear_refs``; ``ru_maxrss`` where
+that is unavailable) minus the RSS after set-up; glibc is told (``mallopt``;
+``MALLOC_MMAP_THRESHOLD_``/``MALLOC_TRIM_THRESHOLD_``) to serve allocations above 64 KiB with
+their own mappings and to return frees at once, so RSS follows live memory. It includes the
+step's temporaries and, on CPU, tba's host pool and the SSD offloader's staging buffers. On
+CUDA also ``torch.cuda.max_memory_allocated()`` and ``max_memory_reserved()`` during a step
+minus their values after set-up. Workers run CPU cores - 1 compute threads, leaving a core to
+tba's I/O threads as a GPU machine would (with every core computing, the writer starves and
+nothing is freed early).
 
 Model FLOPs (``tba.plan.model_flops``), algorithmic work only, recompute not counted:
     model_flops = 3 * (L * (24*b*s*h^2 + 4*b*s^2*h) + 2*b*s*h*V)

@@ -20,6 +20,11 @@ from tba.rok._schedule import Sample, interleaved
 from tba.rok._spread import NOISE_FLOOR
 from tba.rok._worker import STRATEGIES
 
+# The default sweep: every strategy but recompute+offload (a combination whose answer the
+# figure already gives: recompute's memory, the SSD's cost), so that the main job stays within
+# 5 minutes on 2 cores, set-up included.
+DEFAULT_STRATEGIES = tuple(s for s in STRATEGIES if s != "recompute+offload")
+
 __all__ = ["main"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when tba runs from one
@@ -52,9 +57,9 @@ def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
                                                        "Offload and Keep.",
                                 epilog="Method: docs/rok.md (and the docstring of tba.rok).")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default: all; run in this order, keep "
-                        f"first)")
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default: all but recompute+offload; run "
+                        f"in this order, keep first)")
     p.add_argument("--batch-sizes", help="comma-separated micro-batch sizes (default: 1,2,4,8 on CPU, "
                                          "2,4,8,16,32 on CUDA, 1,2 with --quick)")
     p.add_argument("--out", default=str(Path("out") / "rok"),
@@ -64,8 +69,8 @@ def _parse_args(argv: list[str] | None, prog: str) -> argparse.Namespace:
     p.add_argument("--budget-bytes", type=int, help="activation budget of the summary's 'throughput at equal "
                                                    "budget' (default: keep's peak at its median batch)")
     p.add_argument("--budget-fraction", type=float, default=0.5,
-                   help="the budget strategy's activation_budget_bytes as a fraction of keep's cache-resident "
-                        "peak at the same batch (default 0.5)")
+                   help="the budget strategy's activation_budget_bytes as a fraction of keep's activation peak "
+                        "at the same batch (default 0.5)")
     p.add_argument("--repeats", type=int, help="samples per point, taken in interleaved passes (default 3; 2 with "
                                                "--quick)")
     p.add_argument("--steps", type=int, help="measured steps per sample (default 2)")
@@ -130,20 +135,36 @@ def _load_avg() -> list[float] | None:
 
 def _budget_for(sample: Sample, samples: list[dict[str, Any]], fraction: float) -> int | None:
     """The budget strategy's ``activation_budget_bytes`` at this batch: ``fraction`` of keep's
-    cache-resident peak at the same batch (the cache's exact count, the same in every pass)."""
-    peaks = [r["cache_peak_resident_bytes"] for r in samples
+    activation peak at the same batch (an exact count, the same in every pass)."""
+    peaks = [r["activation_peak_bytes"] for r in samples
              if r["strategy"] == "keep" and r["batch_size"] == sample.batch_size and r.get("status") == "ok"
-             and r.get("cache_peak_resident_bytes")]
+             and r.get("activation_peak_bytes")]
     return int(fraction * peaks[0]) if peaks else None
+
+
+def public_command(prog: str, given: list[str]) -> str:
+    """The command line as the outputs show it: absolute paths (an output or SSD directory)
+    become ``DIR``, so nothing machine-specific is printed into a figure worth committing.
+
+    Example:
+        >>> public_command("tba rok", ["--out", "/tmp/rok", "--ssd-dir=/mnt/nvme", "--quick"])
+        'tba rok --out DIR --ssd-dir=DIR --quick'
+    """
+    shown = []
+    for arg in given:
+        name, eq, value = arg.partition("=")
+        shown.append(f"{name}=DIR" if eq and os.path.isabs(value) else "DIR" if os.path.isabs(arg) else arg)
+    return " ".join([prog, *([shlex.join(shown)] if shown else [])])
 
 
 def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
     """Runs the sweep (``tba rok --help``); returns the exit status (3: interrupted, partial results)."""
+    t_main = time.perf_counter()
     args = _parse_args(argv, prog)
-    missing = [m for m in ("transformers", "matplotlib") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("transformers", "matplotlib", "tqdm") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"{prog}: needs {' and '.join(missing)} (the model and the figure): pip install 'tba[test,bench]'",
-              file=sys.stderr)
+        print(f"{prog}: needs {', '.join(missing)} (the model, the figure, the progress bar): pip install "
+              f"'tba[bench]'", file=sys.stderr)
         return 2
     cuda = args.device == "cuda"
     out = Path(args.out)
@@ -152,7 +173,7 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
         old.unlink()
     runner = Runner(args.device, out / "logs")
     given = sys.argv[1:] if argv is None else argv
-    command = " ".join([prog, *([shlex.join(given)] if given else [])])
+    command = public_command(prog, list(given))
     sweep_log = open(out / "logs" / "sweep.log", "w")  # noqa: SIM115 (closed in the finally below)
 
     def say(text: str) -> None:
@@ -194,7 +215,8 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
                load_avg_start=_load_avg(),
                malloc_env={k: os.environ[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
                            if k in os.environ})
-    say(_report.environment_header(env, config))
+    header = _report.environment_header(env, config)
+    say(header)
     notes = _report.strategy_notes(config)
 
     timeout_s = args.timeout_s or (420 if cuda else 300)
@@ -242,7 +264,7 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
             elif strategy in oom_at and b >= oom_at[strategy]:
                 result = {"status": f"skipped: out of memory at batch {oom_at[strategy]}"}
             elif strategy == "budget" and spec["activation_budget_bytes"] is None:
-                result = {"status": f"skipped: keep measured no cache-resident peak at batch {b} to set the budget"}
+                result = {"status": f"skipped: keep measured no activation peak at batch {b} to set the budget"}
             else:
                 started = time.perf_counter() - t_start
                 try:
@@ -266,11 +288,16 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
             write(final=False)  # a killed sweep still leaves what it measured
         report = write(final=True)
         cpu_s = sum(s.get("worker_cpu_s", 0.0) for s in samples)
-        say(_report.format_summary(report["summary"], report["rows"], config, cuda))
-        say(f"\nwrote {out / 'rok_curve.csv'}, {out / 'rok_samples.csv'}, {out / 'rok_curve.json'}, "
-            f"{out / 'rok_curve.png'} ({report['total_wall_s']:.0f} s wall; the workers used {cpu_s:.0f} "
-            f"CPU-seconds; load average at end {env.get('load_avg_end')})"
-            + (f"; {interrupted}: partial results" if interrupted else ""))
+        summary = _report.format_summary(report["summary"], report["rows"], config, cuda)
+        totals = (f"sweep: {time.perf_counter() - t_main:.0f} s wall (the Python environment's set-up not "
+                  f"included), the workers used {cpu_s:.0f} "
+                  f"CPU-seconds; load average at start {env.get('load_avg_start')}, at end "
+                  f"{env.get('load_avg_end')}" + (f"; {interrupted}: partial results" if interrupted else ""))
+        say(summary)
+        say(totals)
+        # The printed summary with the environment, short enough to commit beside the figure.
+        (out / "rok_summary.txt").write_text(f"{header}\n{summary}\n{totals}\n")
+        say(f"wrote rok_curve.csv, rok_samples.csv, rok_summary.txt, rok_curve.json, rok_curve.png and logs/ in {out}")
     finally:
         signal.signal(signal.SIGTERM, previous)
         progress.close()

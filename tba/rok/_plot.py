@@ -1,8 +1,10 @@
 """The figure of the ROK curve (private module of :mod:`tba.rok`).
 
 ``plot_series`` turns points and summary into the numbers drawn (so tests can check them
-without reading pixels); ``plot`` draws them: the curve with error bars on both axes, the
-overhead at equal batch with its per-pass range, and the peak against batch size.
+without reading pixels); ``plot`` draws them: the curve (activation peak on the training
+device against model throughput) with error bars on both axes, the overhead at equal batch
+with its per-pass range, and the secondary memory measure (process RSS on CPU, PyTorch's
+allocated-memory peak on CUDA) against batch size.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: boo
     """The plotted numbers: medians and (min, max) error bars per strategy, in MiB and FLOP/s units."""
     scale = 1e12 if cuda else 1e9
     curve: dict[str, dict[str, Any]] = {}
-    peak: dict[str, dict[str, Any]] = {}
+    secondary_key = "cuda_max_allocated_delta_bytes" if cuda else "process_rss_peak_bytes"
+    secondary: dict[str, dict[str, Any]] = {}
     for p in sorted((p for p in points if p["status"] == "ok"), key=lambda p: p["batch_size"]):
         c = curve.setdefault(p["strategy"], {"batch_sizes": [], "n": [], "x": [], "x_min": [], "x_max": [], "y": [],
                                              "y_min": [], "y_max": []})
@@ -35,11 +38,10 @@ def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: boo
         for axis, key, unit in (("x", "activation_peak_bytes", 2**20), ("y", "model_flops_per_s", scale)):
             for suffix in ("", "_min", "_max"):
                 c[axis + suffix].append(p[key + suffix] / unit)
-        k = peak.setdefault(p["strategy"], {"batch_sizes": [], "measured": [], "cache": []})
-        k["batch_sizes"].append(p["batch_size"])
-        k["measured"].append(p["activation_peak_bytes"] / 2**20)
-        cache = p.get("cache_peak_resident_bytes")
-        k["cache"].append(None if cache is None else cache / 2**20)
+        if p.get(secondary_key) is not None:
+            k = secondary.setdefault(p["strategy"], {"batch_sizes": [], "y": []})
+            k["batch_sizes"].append(p["batch_size"])
+            k["y"].append(p[secondary_key] / 2**20)
     for c in curve.values():
         c["xerr"], c["yerr"] = _err(c["x"], c["x_min"], c["x_max"]), _err(c["y"], c["y_min"], c["y_max"])
     overhead: dict[str, dict[str, Any]] = {}
@@ -55,7 +57,8 @@ def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: boo
             o["y_max"].append(r["max"])
             o["meaningless"].append(comp["step_time_vs_keep"]["warning"] is not None)
         o["yerr"] = _err(o["y"], o["y_min"], o["y_max"])
-    return {"curve": curve, "overhead": overhead, "peak": peak, "throughput_unit": "TFLOP/s" if cuda else "GFLOP/s"}
+    return {"curve": curve, "overhead": overhead, "secondary": secondary, "secondary_key": secondary_key,
+            "throughput_unit": "TFLOP/s" if cuda else "GFLOP/s"}
 
 
 def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env: dict[str, Any],
@@ -65,10 +68,13 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    from tba.rok._report import device_caption
 
     cuda = env["device"] == "cuda"
     series = plot_series(points, summary, cuda)
-    fig, (ax, ax_o, ax_p) = plt.subplots(1, 3, figsize=(18, 6.6), gridspec_kw={"width_ratios": [5, 3, 3]})
+    fig, (ax, ax_o, ax_p) = plt.subplots(1, 3, figsize=(18, 6.8), gridspec_kw={"width_ratios": [5, 3, 3]})
     for s in dict.fromkeys(p["strategy"] for p in points):
         color = _COLORS.get(s)
         c = series["curve"].get(s)
@@ -85,19 +91,20 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
             ax_o.errorbar(o["batch_sizes"], o["y"], yerr=o["yerr"], fmt="-", color=color, capsize=3, lw=1.5, label=s)
             for b, y, bad in zip(o["batch_sizes"], o["y"], o["meaningless"]):
                 ax_o.plot([b], [y], "o", color=color, mfc="none" if bad else color, ms=6)
-        k = series["peak"][s]
-        ax_p.plot(k["batch_sizes"], k["measured"], "o-", color=color, label=f"{s} (measured)")
-        if all(v is not None for v in k["cache"]):
-            ax_p.plot(k["batch_sizes"], k["cache"], "s--", color=color, alpha=0.6, mfc="none")
+        k = series["secondary"].get(s)
+        if k:
+            ax_p.plot(k["batch_sizes"], k["y"], "o-", color=color, label=s)
     if summary.get("budget_bytes"):
         ax.axvline(summary["budget_bytes"] / 2**20, color="gray", ls=":", lw=1)
-        ax.text(summary["budget_bytes"] / 2**20, ax.get_ylim()[0], " summary budget", color="gray", fontsize=8,
-                va="bottom")
-    peak_what = "max_memory_allocated - baseline" if cuda else "RSS high-water - baseline"
-    ax.set_xlabel(f"activation peak, MiB ({peak_what})")
-    ax.set_ylabel(f"model throughput, {series['throughput_unit']} (recompute not counted)")
-    ax.set_title(f"ROK curve: median of {config['repeats']} interleaved passes, bars = min..max; "
-                 f"batch grows along a curve", fontsize=9)
+        ax.text(summary["budget_bytes"] / 2**20, ax.get_ylim()[0], " equal-budget line of the summary", color="gray",
+                fontsize=8, va="bottom")
+    # Batch sizes double along a line: a log axis spaces every strategy's points alike.
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("activation peak on the training device, MiB, log scale (left is better)")
+    ax.set_ylabel(f"model throughput, {series['throughput_unit']} (recompute not counted; up is better)")
+    ax.set_title(f"batch size grows along each line; median of {config['repeats']} interleaved passes, "
+                 f"bars = min..max", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     ax_o.axhline(1.0, color="tab:blue", lw=1)
@@ -105,15 +112,20 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
     for a in (ax_o, ax_p):
         a.set_xscale("log", base=2)
         a.set_xticks(batches, [str(b) for b in batches])
-    ax_o.set_xlabel("micro-batch size")
+        a.set_xlabel("micro-batch size")
+        a.grid(alpha=0.3)
     ax_o.set_ylabel("step time / keep's (same pass)")
     ax_o.set_title("overhead at equal batch: median, bars = min..max over passes;\nhollow = spread makes the "
                    "comparison meaningless", fontsize=9)
-    ax_o.grid(alpha=0.3)
-    ax_p.set_xlabel("micro-batch size")
-    ax_p.set_ylabel("activation peak, MiB (median)")
-    ax_p.set_title("peak vs batch: measured (solid), cache-resident activations (dashed)", fontsize=9)
-    ax_p.grid(alpha=0.3)
+    if cuda:
+        ax_p.set_ylabel("max_memory_allocated in a step - after set-up, MiB")
+        ax_p.set_title("secondary: PyTorch's allocated GPU memory peak\n(activations and the step's temporaries)",
+                       fontsize=9)
+    else:
+        ax_p.set_ylabel("process RSS peak in a step - RSS after set-up, MiB")
+        ax_p.set_title("secondary: process RSS peak (also the host pool,\nSSD staging buffers, the step's "
+                       "temporaries)", fontsize=9)
+    ax_p.set_ylim(bottom=0)
     ax_p.legend(fontsize=7, loc="upper left")
     m = config["model"]
     device = f"{env.get('gpu')} (CUDA {env.get('cuda')})" if cuda else f"CPU: {env.get('cpu')} x{env.get('num_cpus')}"
@@ -127,7 +139,9 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
             + (f"; load average at start {load[0]:.2f}" if load else "")
             + "; " + "; ".join(notes) + f"; command: {env['command']}")
     fig.text(0.01, 0.01, "\n".join(textwrap.wrap(foot, 220)), fontsize=7, va="bottom", family="monospace")
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    # The caption under the main panel: what "the training device" is in this run.
+    fig.text(ax.get_position().x0, 0.085, device_caption(cuda), fontsize=8.5, va="top", style="italic")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return series

@@ -8,22 +8,37 @@ from typing import Any
 
 from tba.rok._summary import SPREAD_METRICS
 
-__all__ = ["CSV_COLUMNS", "SAMPLE_COLUMNS", "environment_header", "format_summary", "sample_line", "write_csv"]
+__all__ = ["CSV_COLUMNS", "SAMPLE_COLUMNS", "device_caption", "environment_header", "format_summary",
+           "sample_line", "write_csv"]
 
 _SPREAD_COLUMNS = [f"{k}{x}" for k in SPREAD_METRICS for x in ("", "_mean", "_min", "_max", "_spread")]
+# docs/rok.md describes every column.
 CSV_COLUMNS = [
-    "strategy", "batch_size", "status", "num_samples", "num_failed", *_SPREAD_COLUMNS,
+    "strategy", "batch_size", "status", "num_samples", "num_failed", *_SPREAD_COLUMNS, "activation_peak_source",
+    "meter_saved_bytes", "meter_recomputed_bytes", "meter_reloaded_bytes", "num_saved_storages",
     "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kept_bytes", "cache_reloaded_bytes",
-    "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s", "cache_io_cpu_s", "activation_budget_bytes",
-    "budget_met", "decision_tail_start", "decision_num_blocks", "warmup_steps_run", "activation_peak_step_delta_bytes",
-    "baseline_bytes", "plan_activation_bytes", "model_flops_per_step", "load_avg_1min", "peak_method",
+    "cache_num_family_entries", "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s", "cache_io_cpu_s",
+    "activation_budget_bytes", "budget_met", "decision_tail_start", "decision_num_blocks", "warmup_steps_run",
+    "process_rss_step_delta_bytes", "process_rss_after_setup_bytes", "process_rss_method",
+    "cuda_max_allocated_delta_bytes", "cuda_max_reserved_delta_bytes", "plan_activation_bytes",
+    "model_flops_per_step", "load_avg_1min",
 ]
 SAMPLE_COLUMNS = [
     "repeat", "strategy", "batch_size", "status", "activation_peak_bytes", "step_time_s", "model_flops_per_s",
-    "tokens_per_s", "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_stall_s", "cache_io_cpu_s",
+    "tokens_per_s", "process_rss_peak_bytes", "cuda_max_allocated_delta_bytes", "cuda_max_reserved_delta_bytes",
+    "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_stall_s", "cache_io_cpu_s",
     "activation_budget_bytes", "budget_met", "decision_tail_start", "warmup_steps_run", "load_avg_1min", "started_s",
     "worker_wall_s", "worker_cpu_s",
 ]
+
+
+def device_caption(cuda: bool) -> str:
+    """What "the training device" means for the activation peak, in one line."""
+    if cuda:
+        return ("training device = the GPU: the activation peak counts saved activations held in GPU memory at the "
+                "step's peak, not those tba moved out")
+    return ("training device = host memory on CPU: the activation peak counts saved activations the training process "
+            "holds at the step's peak, not those tba moved to its host pool or SSD")
 
 
 def _mib(num_bytes: float | None) -> str:
@@ -43,7 +58,7 @@ def strategy_notes(config: dict[str, Any]) -> list[str]:
                      f"{offloader!r}")
     if "budget" in config["strategies"]:
         notes.append(f"budget = activation_budget_bytes set to {config['budget_fraction']:.0%} of keep's "
-                     f"cache-resident peak at the same batch, offloader {offloader!r}")
+                     f"activation peak at the same batch, offloader {offloader!r}")
     return notes
 
 
@@ -78,9 +93,9 @@ def sample_line(row: dict[str, Any], cuda: bool) -> str:
     head = f"pass {row['repeat'] + 1} {row['strategy']:<18} b={row['batch_size']:<4}"
     if row.get("status") != "ok":
         return f"{head} {row.get('status')}"
-    cache = row.get("cache_peak_resident_bytes")
-    return (f"{head} peak {_mib(row['activation_peak_bytes']):>11}"
-            + (f" (cache {_mib(cache)})" if cache is not None else "")
+    rss = row.get("process_rss_peak_bytes")
+    return (f"{head} activations {_mib(row['activation_peak_bytes']):>11}"
+            + (f" (RSS {_mib(rss)})" if rss is not None else "")
             + f"  step {row['step_time_s']:.3f} s  {_flops(row['model_flops_per_s'], cuda)}")
 
 
@@ -102,14 +117,32 @@ def _table(title: str, batches: list[int], cells: dict[str, dict[int, str]]) -> 
     return lines
 
 
+def _largest_batch(summary: dict[str, Any]) -> list[str]:
+    largest = summary["largest_batch"]
+    if not largest["strategies"]:
+        return []
+    columns = [("activations/keep", "peak_vs_keep"), ("activations/recompute", "peak_vs_recompute"),
+               ("throughput/keep", "throughput_vs_keep"), ("throughput/recompute", "throughput_vs_recompute")]
+    cells = {s: [_ratio(comps.get(key)) for _, key in columns] for s, comps in largest["strategies"].items()}
+    width = max([len(c) for row in cells.values() for c in row] + [len(t) for t, _ in columns]) + 2
+    lines = [f"at the largest batch (b={largest['batch_size']}): activation peak and model throughput over keep's "
+             f"and over recompute's",
+             f"  {'strategy':<18}" + "".join(f"{title:>{width}}" for title, _ in columns)]
+    lines += [f"  {s:<18}" + "".join(f"{c:>{width}}" for c in row) for s, row in cells.items()]
+    return lines
+
+
 def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config: dict[str, Any],
                    cuda: bool) -> str:
     ok = [p for p in points if p["status"] == "ok"]
     batches = sorted({p["batch_size"] for p in ok})
     passes = config["repeats"]
-    lines = ["", "== summary ==",
+    lines = ["", "== summary ==", device_caption(cuda),
              f"{passes} interleaved passes; a ratio is per pass (strategy over keep, same pass), shown as median "
              f"(min..max); '?' = the spread makes the comparison meaningless (warnings below)"]
+    if summary.get("headline"):
+        lines.append(f"headline, {summary['headline']}")
+    lines += _largest_batch(summary)
     eb = summary["equal_batch"]
     if any(p["strategy"] == "keep" for p in ok):
         lines += _table("overhead at equal batch: step time / keep's step time",
@@ -118,6 +151,15 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
         lines += _table("activation peak / keep's at equal batch",
                         batches, {s: {int(b): _ratio(c["peak_vs_keep"], percent=True) for b, c in v.items()}
                                   for s, v in eb.items()})
+        above = summary.get("above_keep", [])
+        lines.append("above keep's activation peak: " + ("none" if not above else f"{len(above)}, why:"))
+        lines += [f"  {line}" for line in above]
+        if any(p.get("process_rss_peak_bytes") is not None for p in ok):
+            lines += _table("process RSS peak / keep's at equal batch (secondary: the whole process's memory growth "
+                            "in a step" + (": on CPU also the host pool, the SSD's staging buffers and the step's "
+                                           "temporaries" if not cuda else "") + ")",
+                            batches, {s: {int(b): _ratio(c["rss_vs_keep"], percent=True) for b, c in v.items()}
+                                      for s, v in eb.items() if "rss_vs_keep" in next(iter(v.values()))})
     else:
         lines.append("keep did not run: no relative numbers")
     if summary["budget_bytes"] is not None:
@@ -136,15 +178,17 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
         lines.append(f"  {s:<18} {why}")
     lines.append("points: median (min..max) over the samples that ran")
     for p in ok:
+        rss = p.get("process_rss_peak_bytes")
         lines.append(f"  {p['strategy']:<18} b={p['batch_size']:<4} n={p['num_samples']}"
                      + (f" ({p['num_failed']} failed)" if p["num_failed"] else "")
-                     + f"  peak {_mib(p['activation_peak_bytes'])} ({p['activation_peak_bytes_min'] / 2**20:.1f}.."
+                     + f"  activations {_mib(p['activation_peak_bytes'])} ({p['activation_peak_bytes_min'] / 2**20:.1f}.."
                        f"{p['activation_peak_bytes_max'] / 2**20:.1f})"
+                     + (f"  RSS {_mib(rss)}" if rss is not None else "")
                      + f"  step {p['step_time_s'] * 1e3:.0f} ms ({p['step_time_s_min'] * 1e3:.0f}.."
                        f"{p['step_time_s_max'] * 1e3:.0f})"
                      + (f"  budget {_mib(p['activation_budget_bytes'])} "
-                        f"({'met' if p.get('budget_met') else 'not met in every sample'}: cache peak "
-                        f"{_mib(p.get('cache_peak_resident_bytes'))})" if "activation_budget_bytes" in p else "")
+                        f"({'met' if p.get('budget_met') else 'not met in every sample'})"
+                        if "activation_budget_bytes" in p else "")
                      + (f"  policy offloads {p['decision_tail_start']} of {p.get('decision_num_blocks', '?')} blocks"
                         if "decision_tail_start" in p else ""))
     warnings = summary["warnings"]

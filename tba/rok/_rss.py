@@ -1,7 +1,9 @@
-"""Host memory as the ROK sweep measures it on CPU (private module of :mod:`tba.rok`).
+"""Process and device memory as the ROK sweep measures it beside the activation peak (private
+module of :mod:`tba.rok`).
 
-RSS and its resettable high-water mark, and the glibc settings that make RSS follow live
-memory (see the docstring of :mod:`tba.rok`).
+RSS and its resettable high-water mark, the glibc settings that make RSS follow live memory
+(see the docstring of :mod:`tba.rok`), and what a step adds to them and, on CUDA, to
+PyTorch's allocated and reserved device memory.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import platform
 import resource
 import sys
 
-__all__ = ["RSS", "configure_malloc"]
+__all__ = ["RSS", "StepMemory", "configure_malloc"]
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -83,3 +85,51 @@ class RSS:
         if self.can_reset:
             return self._status_kib("VmHWM") * 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+class StepMemory:
+    """What each training step adds to the memory held after set-up (weights, gradients and
+    optimizer state): process RSS (high-water mark during the step minus RSS after set-up),
+    and on CUDA ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` during the step
+    minus their values after set-up. ``start`` before a step, ``finish`` after it (the device
+    synchronised); the maximum over the steps finished is kept."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.rss = RSS()
+        self.baseline: dict[str, int] = {}
+        self.peaks: dict[str, int] = {}
+        self._before = 0
+
+    def take_baseline(self) -> None:
+        self.baseline = {"rss": self.rss.current()}
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            self.baseline.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved())
+
+    def start(self) -> None:
+        self._before = self.rss.current()
+        self.rss.reset_peak()
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def finish(self) -> None:
+        peak = self.rss.peak()
+        found = {"process_rss_peak_bytes": peak - self.baseline["rss"], "process_rss_step_delta_bytes": peak - self._before}
+        if self.cuda:
+            import torch
+
+            found["cuda_max_allocated_delta_bytes"] = torch.cuda.max_memory_allocated() - self.baseline["allocated"]
+            found["cuda_max_reserved_delta_bytes"] = torch.cuda.max_memory_reserved() - self.baseline["reserved"]
+        for key, value in found.items():
+            self.peaks[key] = max(value, self.peaks.get(key, value))
+
+    def row(self) -> dict[str, int | str]:
+        """The columns: the peaks, the baseline and how RSS was read."""
+        return {**self.peaks, "process_rss_after_setup_bytes": self.baseline["rss"],
+                "process_rss_method": f"RSS high-water ({self.rss.method}) - RSS after set-up"}

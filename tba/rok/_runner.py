@@ -70,32 +70,32 @@ class Runner:
 
 
 class Progress:
-    """A plain progress bar on stderr (redrawn in place on a terminal, one line per point otherwise)."""
+    """The sweep's progress on stderr: a tqdm bar with each finished sample's line above it on
+    a terminal; elsewhere (a log, CI) one line per sample with the count and elapsed time."""
 
     def __init__(self, total: int) -> None:
         self.total, self.done, self.t0 = total, 0, time.perf_counter()
-        self.tty = sys.stderr.isatty()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm  # the bench extra; _cli checks it is there
 
-    def _bar(self, label: str) -> str:
-        frac = self.done / self.total if self.total else 1.0
-        elapsed = time.perf_counter() - self.t0
-        eta = f"{elapsed / self.done * (self.total - self.done):4.0f}s" if self.done else "   ?"
-        return f"[{'#' * round(24 * frac):<24}] {self.done}/{self.total} {elapsed:4.0f}s eta {eta} {label}"
+            self.bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True, leave=False,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
     def start(self, label: str) -> None:
-        if self.tty:
-            sys.stderr.write("\r\033[K" + self._bar(label))
-            sys.stderr.flush()
+        if self.bar is not None:
+            self.bar.set_postfix_str(label)
 
     def finish(self, line: str) -> None:
         self.done += 1
-        if self.tty:
-            sys.stderr.write("\r\033[K" + line + "\n" + self._bar(""))
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+            self.bar.update(1)
         else:
-            sys.stderr.write(self._bar("") + "  " + line + "\n")
-        sys.stderr.flush()
+            elapsed = time.perf_counter() - self.t0
+            sys.stderr.write(f"[{self.done}/{self.total} {elapsed:4.0f}s] {line}\n")
+            sys.stderr.flush()
 
     def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
+        if self.bar is not None:
+            self.bar.close()

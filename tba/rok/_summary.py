@@ -2,13 +2,18 @@
 
 A *sample* is one run of one strategy at one batch in one pass (a row the worker returned,
 plus ``repeat``); a *point* is every sample of one (strategy, batch) reduced to median, mean
-and range. The summary compares each strategy with ``keep`` two ways:
+and range. The summary compares each strategy with ``keep`` three ways:
 
-  * **overhead at equal batch**: step time and activation peak over keep's at the same batch,
-    per pass (Note [When a comparison means nothing]);
+  * **at the largest batch**: activation peak and model throughput over keep's and over
+    recompute's, per pass, and the headline sentence made of them;
+  * **overhead at equal batch**: step time, activation peak and (secondary) process RSS over
+    keep's at the same batch, per pass (Note [When a comparison means nothing]), with the
+    reason wherever a strategy holds more activations than keep;
   * **throughput at equal activation budget**: the largest batch whose activation peak stays
     within a budget in every sample, and its model throughput over keep's at keep's largest
     batch within the same budget, per pass.
+
+The activation peak is Note [One measure of activation memory] (in ``_saved``).
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ __all__ = ["SPREAD_METRICS", "aggregate", "summarize"]
 
 # Metrics reported with median, mean, min and max (and the relative range); other numbers of
 # a sample are reported by their median.
-SPREAD_METRICS = ("step_time_s", "model_flops_per_s", "tokens_per_s", "activation_peak_bytes")
+SPREAD_METRICS = ("step_time_s", "model_flops_per_s", "tokens_per_s", "activation_peak_bytes",
+                  "process_rss_peak_bytes")
 _MEDIAN_ONLY = ("cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kept_bytes", "cache_reloaded_bytes",
-                "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s", "cache_io_cpu_s",
-                "activation_peak_step_delta_bytes", "baseline_bytes", "activation_budget_bytes",
+                "cache_num_family_entries", "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s",
+                "cache_io_cpu_s", "meter_saved_bytes", "meter_recomputed_bytes", "meter_reloaded_bytes",
+                "num_saved_storages", "process_rss_step_delta_bytes", "process_rss_after_setup_bytes",
+                "cuda_max_allocated_delta_bytes", "cuda_max_reserved_delta_bytes", "activation_budget_bytes",
                 "warmup_steps_run", "load_avg_1min")
-_FIRST = ("plan_activation_bytes", "model_flops_per_step", "peak_method", "offloader", "adaptive",
-          "decision_tail_start", "decision_num_blocks", "decision_reason", "decision_unsettled")
+_FIRST = ("plan_activation_bytes", "model_flops_per_step", "activation_peak_source", "process_rss_method",
+          "offloader", "adaptive", "decision_tail_start", "decision_num_blocks", "decision_reason",
+          "decision_unsettled")
 _ALL = ("budget_met",)  # booleans: true only when true in every sample
 
 
@@ -77,15 +86,16 @@ def _by_repeat(samples: Sequence[dict[str, Any]], strategy: str, b: int, key: st
             if s["strategy"] == strategy and s["batch_size"] == b and _is_ok(s) and s.get(key) is not None}
 
 
-def _paired(samples: Sequence[dict[str, Any]], key: str, strategy: str, b: int, keep_b: int) -> list[float]:
-    """``strategy`` at ``b`` over ``keep`` at ``keep_b``, one ratio per pass that measured both."""
-    mine, keep = _by_repeat(samples, strategy, b, key), _by_repeat(samples, "keep", keep_b, key)
-    return [mine[r] / keep[r] for r in sorted(mine) if r in keep and keep[r]]
+def _paired(samples: Sequence[dict[str, Any]], key: str, strategy: str, b: int, ref_b: int,
+            ref: str = "keep") -> list[float]:
+    """``strategy`` at ``b`` over ``ref`` at ``ref_b``, one ratio per pass that measured both."""
+    mine, theirs = _by_repeat(samples, strategy, b, key), _by_repeat(samples, ref, ref_b, key)
+    return [mine[r] / theirs[r] for r in sorted(mine) if r in theirs and theirs[r]]
 
 
 def _comparison(samples: Sequence[dict[str, Any]], key: str, strategy: str, b: int, keep_b: int,
-                noise_floor: float) -> dict[str, Any]:
-    ratios = _paired(samples, key, strategy, b, keep_b)
+                noise_floor: float, ref: str = "keep") -> dict[str, Any]:
+    ratios = _paired(samples, key, strategy, b, keep_b, ref)
     sp = spread(ratios)
     return {"ratio": sp.as_dict() if sp else None, "ratios": ratios,
             "warning": comparison_warning(ratios, noise_floor)}
@@ -116,7 +126,9 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
                 continue
             step = _comparison(samples, "step_time_s", s, b, b, noise_floor)
             peak = _comparison(samples, "activation_peak_bytes", s, b, b, noise_floor)
-            equal_batch.setdefault(s, {})[str(b)] = {"step_time_vs_keep": step, "peak_vs_keep": peak}
+            rss = _comparison(samples, "process_rss_peak_bytes", s, b, b, noise_floor)
+            equal_batch.setdefault(s, {})[str(b)] = {"step_time_vs_keep": step, "peak_vs_keep": peak,
+                                                     "rss_vs_keep": rss}
             for what, c in (("step time", step), ("activation peak", peak)):
                 if c["warning"]:
                     warnings.append(f"{s} b={b}, {what} vs keep: {c['warning']}")
@@ -144,7 +156,81 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
                         warnings.append(f"{s} b={b} vs keep b={keep_b} within the budget, throughput: "
                                         f"{entry['throughput_vs_keep']['warning']}")
             equal_budget[s] = entry
-    return {"noise_floor": noise_floor, "equal_batch": equal_batch, "budget_bytes": budget_bytes,
+    largest = _at_largest_batch(samples, ok, noise_floor)
+    return {"noise_floor": noise_floor, "largest_batch": largest, "headline": headline(largest),
+            "above_keep": above_keep(ok, equal_batch), "equal_batch": equal_batch, "budget_bytes": budget_bytes,
             "budget_source": budget_source if budget_bytes is not None else None, "equal_budget": equal_budget,
             "keep_batch_within_budget": equal_budget.get("keep", {}).get("largest_batch"),
             "unavailable": unavailable, "warnings": warnings}
+
+
+def _at_largest_batch(samples: Sequence[dict[str, Any]], ok: dict[str, dict[int, dict[str, Any]]],
+                      noise_floor: float) -> dict[str, Any]:
+    """Every strategy at keep's largest batch: activation peak and throughput over keep's and
+    over recompute's, per pass."""
+    keep = ok.get("keep", {})
+    if not keep:
+        return {"batch_size": None, "strategies": {}}
+    b = max(keep)
+    found: dict[str, dict[str, Any]] = {}
+    for s, pts in ok.items():
+        if b not in pts:
+            continue
+        found[s] = {}
+        for ref in ("keep", "recompute"):
+            if s == ref or b not in ok.get(ref, {}):
+                continue
+            found[s][f"peak_vs_{ref}"] = _comparison(samples, "activation_peak_bytes", s, b, b, noise_floor, ref)
+            found[s][f"throughput_vs_{ref}"] = _comparison(samples, "model_flops_per_s", s, b, b, noise_floor, ref)
+    return {"batch_size": b, "strategies": found}
+
+
+def headline(largest: dict[str, Any]) -> str | None:
+    """One sentence from the measured ratios at the largest batch, e.g. "at b=8: offload-ssd:
+    0.19x keep's device activations at 0.79x keep's throughput; recompute: ...".
+
+    Example:
+        >>> c = lambda r: {"ratio": {"median": r}}
+        >>> headline({"batch_size": 8, "strategies": {"offload-ssd": {"peak_vs_keep": c(0.19),
+        ...     "throughput_vs_keep": c(0.79)}}})
+        "at b=8: offload-ssd: 0.19x keep's device activations at 0.79x keep's throughput"
+    """
+    parts = []
+    for s, comps in largest["strategies"].items():
+        peak, throughput = comps.get("peak_vs_keep"), comps.get("throughput_vs_keep")
+        if peak and peak["ratio"] and throughput and throughput["ratio"]:
+            parts.append(f"{s}: {peak['ratio']['median']:.2f}x keep's device activations at "
+                         f"{throughput['ratio']['median']:.2f}x keep's throughput")
+    return f"at b={largest['batch_size']}: " + "; ".join(parts) if parts else None
+
+
+def above_keep(ok: dict[str, dict[int, dict[str, Any]]], equal_batch: dict[str, dict[str, Any]]) -> list[str]:
+    """Why, wherever a strategy's activation peak is above keep's at the same batch (median of
+    the per-pass ratios above 1), from what the point measured."""
+    lines = []
+    for s, by_b in equal_batch.items():
+        for b_text, comps in by_b.items():
+            r = comps["peak_vs_keep"]["ratio"]
+            if r is None or r["median"] <= 1.0:
+                continue
+            p, keep = ok[s][int(b_text)], ok["keep"][int(b_text)]
+            mib = 2**20
+            head = (f"{s} b={b_text}: {p['activation_peak_bytes'] / mib:.1f} MiB, {r['median']:.2f}x keep's "
+                    f"{keep['activation_peak_bytes'] / mib:.1f} MiB: ")
+            if p.get("activation_peak_source") == "meter":
+                why = (f"at its peak {p.get('meter_saved_bytes', 0) / mib:.1f} MiB saved in forward, "
+                       f"{p.get('meter_recomputed_bytes', 0) / mib:.1f} MiB saved again by a checkpointed block's "
+                       f"recomputation in backward, {p.get('meter_reloaded_bytes', 0) / mib:.1f} MiB read back")
+            else:
+                why = (f"the cache kept {p.get('cache_kept_bytes', 0) / mib:.1f} MiB in memory"
+                       + (f" (its policy offloads {p['decision_tail_start']} of {p.get('decision_num_blocks')} "
+                          f"blocks)" if p.get("decision_tail_start") is not None else "")
+                       + "; the rest of its peak is tensors whose stores had not finished or that were read back "
+                         "for backward")
+                if p.get("cache_num_family_entries"):
+                    why += (f"; {p['cache_num_family_entries']:.0f} storages saved through several tensor families "
+                            f"count once per family")
+            if r["min"] <= 1.0:
+                why += f" (the passes range {r['min']:.2f}..{r['max']:.2f}x: within the spread)"
+            lines.append(head + why)
+    return lines

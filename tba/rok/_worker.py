@@ -18,15 +18,19 @@ import time
 import traceback
 from typing import Any
 
-from tba.rok._rss import RSS, configure_malloc
+from tba.rok._rss import StepMemory, configure_malloc
+from tba.rok._warmup import Warmup, tail_start
 
 STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+offload", "adaptive", "budget")
 # Fixed strategies name their offloader; the policy strategies (adaptive, budget) take the
 # sweep's ``policy_offloader`` (the SSD on CPU, where host memory is the device, else "host").
-_OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
+# keep and recompute run without tba.
+_OFFLOADER = {"offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
 POLICY_STRATEGIES = ("adaptive", "budget")
-# Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds.
-_MAX_EXTRA_WARMUP = 40
+CHECKPOINTING = ("recompute", "recompute+offload")
+# Strategies whose activation peak the saved-activation meter counts (Note [One measure of
+# activation memory] in _saved); the others report their cache's count.
+METERED = ("keep", *CHECKPOINTING)
 
 
 def cpu_name() -> str:
@@ -58,12 +62,16 @@ def build_model(model_spec: dict[str, int], device: str, dtype: str):
     return model.to(dtype=getattr(torch, dtype)).train()
 
 
-def enable_recompute(model) -> None:
-    """``torch.utils.checkpoint`` (non-reentrant) around every ``GPT2Block``."""
+def enable_recompute(model, context_fn=None) -> None:
+    """``torch.utils.checkpoint`` (non-reentrant) around every ``GPT2Block``; ``context_fn`` as
+    checkpoint takes it (the meter's, to count what recomputation saves)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     blocks = getattr(model.transformer, "h")
     if not all(getattr(b, "gradient_checkpointing", False) for b in blocks):
         raise RuntimeError("transformers did not enable checkpointing on every GPT2Block")
@@ -90,7 +98,8 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 
 
 def cache_options(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``configure_tensor_cache`` options of a strategy (None: no tba cache).
+    """The ``configure_tensor_cache`` options of a strategy (None: no tba cache: keep and
+    recompute are plain PyTorch).
 
     Every strategy with a cache manages the same tensors (the sweep's ``min_offload_bytes`` and
     ``keep_last_modules``). The fixed ones offload every block but the kept tail (``adaptive``
@@ -100,7 +109,7 @@ def cache_options(spec: dict[str, Any]) -> dict[str, Any] | None:
     strategy, device = spec["strategy"], spec["device"]
     offloader = spec.get("policy_offloader") or ("host" if device == "cuda" else "ssd")
     offloader = _OFFLOADER.get(strategy, offloader)
-    if strategy == "recompute":
+    if strategy in ("keep", "recompute"):
         return None
     if strategy not in _OFFLOADER and strategy not in POLICY_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
@@ -108,20 +117,15 @@ def cache_options(spec: dict[str, Any]) -> dict[str, Any] | None:
                                    min_offload_bytes=spec["min_offload_bytes"],
                                    keep_last_modules=spec["keep_last_modules"])
     if strategy in _OFFLOADER:
-        options["adaptive"] = spec["adaptive"] if offloader != "none" else False
+        options["adaptive"] = spec["adaptive"]
     if strategy == "budget":
         if spec.get("activation_budget_bytes") is None:
             raise ValueError("the budget strategy needs activation_budget_bytes in its spec (the sweep sets it "
-                             "from keep's cache-resident peak at the same batch)")
+                             "from keep's activation peak at the same batch)")
         options["activation_budget_bytes"] = int(spec["activation_budget_bytes"])
     if spec.get("ssd_dir") and offloader == "ssd":
         options["ssd_dirs"] = (spec["ssd_dir"],)
     return options
-
-
-def _tail_start(cache) -> int | None:
-    decision = getattr(cache, "adaptive_decision", None) if cache is not None else None
-    return getattr(decision, "tail_start", None)
 
 
 def _decision(cache) -> dict[str, Any]:
@@ -134,67 +138,11 @@ def _decision(cache) -> dict[str, Any]:
             "decision_reason": _one_line(getattr(decision, "reason", ""), 400)}
 
 
-class _Warmup:
-    """How many warm-up steps a point runs: the sweep's, and for a policy strategy (one that
-    decides from profiled and measured steps) as many more as it takes to decide and settle.
-
-    # Note [Warm up until the policy settles]
-    tba's adaptive policy profiles a step, then (closed loop) alternates steps that keep
-    every block with steps that offload, to measure the overhead; budget mode may correct
-    its boundary from a measured peak. Measuring those steps would time the policy's
-    experiments, not its decision. So a deciding cache (the adaptive and budget strategies,
-    and the fixed ones with ``--adaptive``) warms up until a decision exists and two
-    consecutive steps ran it alike: the same boundary, and both offloaded something or both
-    nothing (the closed loop's keep steps offload nothing and alternate with offloading
-    steps, so its measuring never looks settled; the bytes themselves vary from step to
-    step, as stores still queued when backward needs their tensor are cancelled). Up to
-    ``_MAX_EXTRA_WARMUP`` steps more; a point that did not settle says so
-    (``decision_unsettled``). Tested in
-    tests/benchmarks/test_rok_curve.py::test_warmup_waits_for_the_policy_to_settle.
-    """
-
-    def __init__(self, spec: dict[str, Any], cache) -> None:
-        self.steps = spec["warmup_steps"]
-        self.cache = cache
-        # A deciding cache: the policy strategies, and the fixed ones run with ``--adaptive``.
-        options = cache_options(spec) if cache is not None else None
-        self.policy = options is not None and options["offloader"] != "none" and (
-            options.get("adaptive", True) or options.get("activation_budget_bytes") is not None)
-        self.unsettled = ""
-        self.previous: tuple[int | None, bool] | None = None
-        if self.policy:
-            profile_step = getattr(getattr(cache, "config", None), "profile_step", 1)
-            self.steps = max(self.steps, profile_step + 1)
-            self.limit = self.steps + _MAX_EXTRA_WARMUP
-
-    def after_step(self, completed: int) -> None:
-        """Called after each warm-up step: extends the warm-up while the policy moves."""
-        if not self.policy:
-            return
-        now = (_tail_start(self.cache), self.cache.stats().offloaded_bytes > 0)
-        settled = settled_alike(self.previous, now)
-        self.previous = now
-        if completed == self.steps and not settled:
-            if self.steps < self.limit:
-                self.steps += 1
-            else:
-                self.unsettled = (f"decision {'missing' if now[0] is None else 'still moving'} after "
-                                  f"{completed} warm-up steps")
-
-
-def settled_alike(previous: tuple[int | None, bool] | None, now: tuple[int | None, bool]) -> bool:
-    """Two consecutive steps ran one decision alike: ``(tail_start, offloaded anything)`` of
-    each, see Note [Warm up until the policy settles]."""
-    return previous is not None and now[0] is not None and previous == now
-
-
-def settled_alike(previous: tuple[int | None, int] | None, now: tuple[int | None, int]) -> bool:
-    """Two consecutive steps ran one decision alike: ``(tail_start, offloaded_bytes)`` of each,
-    see Note [Warm up until the policy settles]."""
-    if previous is None or now[0] is None or previous[0] != now[0]:
-        return False
-    a, b = previous[1], now[1]
-    return abs(a - b) <= 0.01 * max(a, b)
+def deciding(options: dict[str, Any] | None) -> bool:
+    """Whether a cache with these options decides what to offload from measured steps (the
+    policy strategies, and the fixed ones run with ``--adaptive``)."""
+    return options is not None and options["offloader"] != "none" and (
+        options.get("adaptive", True) or options.get("activation_budget_bytes") is not None)
 
 
 def _cpu_s() -> float:
@@ -209,17 +157,21 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
 
     import tba
     from tba import plan
+    from tba.rok._saved import SavedActivationMeter
 
+    # Everything imported so far lives as long as the process: keep it out of the collections
+    # below (each would otherwise walk torch's and transformers' objects: ~0.4 s on 2 cores).
+    gc.freeze()
     if spec.get("num_threads"):
         torch.set_num_threads(spec["num_threads"])
     strategy, b, device = spec["strategy"], spec["batch_size"], spec["device"]
     m = spec["model"]
     cuda = device == "cuda"
-    rss = RSS()
 
     model = build_model(m, device, spec["dtype"])
-    if strategy in ("recompute", "recompute+offload"):
-        enable_recompute(model)
+    meter = SavedActivationMeter(model, device) if strategy in METERED else None
+    if strategy in CHECKPOINTING:
+        enable_recompute(model, meter.checkpoint_contexts if meter is not None else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     # Gradients and optimizer state exist before the baseline, so the peak is activations
     # (and the transient memory of the step), not weights, gradients or Adam moments.
@@ -246,44 +198,36 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         return loss.item()
 
     gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        baseline = torch.cuda.memory_allocated()
-    else:
-        baseline = rss.current()
-
-    times, peaks, deltas, all_stats, tail_starts, offloaded = [], [], [], [], [], []
+    memory = StepMemory(cuda)
+    memory.take_baseline()
+    times, all_stats, tail_starts, offloaded = [], [], [], []
     loss = float("nan")
-    warmup = _Warmup(spec, cache)
+    counted: dict[str, Any] = {}
+    warmup = Warmup(spec["warmup_steps"], cache, deciding(options))
     try:
         i = 0
-        while i < warmup.steps + spec["steps"]:
-            measured = i >= warmup.steps
+        while i < warmup.steps:
+            step()
+            i += 1
+            warmup.after_step(i)
+        if meter is not None:  # one accounting step: Note [One measure of activation memory]
+            with meter.measuring():
+                step()
+            counted = {"activation_peak_bytes": meter.peak_bytes, "num_saved_storages": meter.num_storages,
+                       **{f"meter_{kind}_bytes": n for kind, n in meter.peak_by_kind.items()}}
+        for _ in range(spec["steps"]):
             gc.collect()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            else:
-                before = rss.current()
-                rss.reset_peak()
+            memory.start()
             t0 = time.perf_counter()
             loss = step()
             if cuda:
                 torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            peak = torch.cuda.max_memory_allocated() if cuda else rss.peak()
-            if measured:
-                times.append(dt)
-                peaks.append(peak - baseline)
-                deltas.append(peak - before)
-                if cache is not None:
-                    all_stats.append(cache.stats())
-                    tail_starts.append(_tail_start(cache))
-                    offloaded.append(all_stats[-1].offloaded_bytes)
-            else:
-                warmup.after_step(i + 1)
-            i += 1
+            times.append(time.perf_counter() - t0)
+            memory.finish()
+            if cache is not None:
+                all_stats.append(cache.stats())
+                tail_starts.append(tail_start(cache))
+                offloaded.append(all_stats[-1].offloaded_bytes)
         decision = _decision(cache)
     finally:
         if cache is not None:
@@ -299,16 +243,14 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
                                 attention="flash" if m.get("attn_implementation") == "sdpa" else "eager"))
     row: dict[str, Any] = {
         "status": "ok",
-        "activation_peak_bytes": max(peaks),
+        **counted,
+        "activation_peak_source": "meter" if meter is not None else "cache",
         "step_time_s": step_time,
         "model_flops_per_s": flops / step_time,
         "tokens_per_s": b * m["seq_len"] / step_time,
         "model_flops_per_step": flops,
         "step_times_s": times,
-        "peak_method": ("cuda max_memory_allocated - allocated after setup" if cuda
-                        else f"RSS high-water ({rss.method}) - RSS after setup"),
-        "baseline_bytes": baseline,
-        "activation_peak_step_delta_bytes": max(deltas),
+        **memory.row(),
         "plan_activation_bytes": plan.activation_bytes(shape, b, acc),
         "loss": loss,
         "malloc": malloc,
@@ -326,15 +268,11 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
             row["decision_tail_start_per_step"] = tail_starts
         if warmup.unsettled:
             row["decision_unsettled"] = warmup.unsettled
-    if cuda:
-        row["cuda_max_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    else:
-        row["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if all_stats:
-        last = all_stats[-1]
-        row.update(_cache_stats_dict(last))
+        row.update(_cache_stats_dict(all_stats[-1]))
         row["cache_peak_resident_bytes"] = max(s.peak_resident_bytes for s in all_stats)
         row["cache_stall_s"] = statistics.median(s.stall_s for s in all_stats)
+        row.setdefault("activation_peak_bytes", row["cache_peak_resident_bytes"])
         if "activation_budget_bytes" in row:
             row["budget_met"] = row["cache_peak_resident_bytes"] <= row["activation_budget_bytes"]
     return row

@@ -20,15 +20,18 @@ from tba.rok import _report as _rok_report  # noqa: E402
 from tba.rok import _schedule as _rok_schedule  # noqa: E402
 from tba.rok import _spread as _rok_spread  # noqa: E402
 from tba.rok import _summary as _rok_summary  # noqa: E402
+from tba.rok import _warmup as _rok_warmup  # noqa: E402
 from tba.rok import _worker as _rok_worker  # noqa: E402
+from tests.benchmarks.rok_spec import spec as _spec  # noqa: E402
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 HAS_BUDGET = "activation_budget_bytes" in {f.name for f in tba.TensorCacheConfig.__dataclass_fields__.values()}
 
 
 def test_quick_run_writes_csv_json_png(tmp_path):
-    proc = subprocess.run([sys.executable, str(BENCH / "rok_curve.py"), "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    every = ",".join(_rok_worker.STRATEGIES)  # recompute+offload is not in the default sweep
+    proc = subprocess.run([sys.executable, str(BENCH / "rok_curve.py"), "--quick", "--strategies", every, "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "== ROK curve ==" in out and "torch " in out and "== summary ==" in out and "load average" in out
@@ -37,7 +40,9 @@ def test_quick_run_writes_csv_json_png(tmp_path):
         points = list(csv.DictReader(f))
     assert {"strategy", "batch_size", "num_samples", "activation_peak_bytes", "step_time_s", "step_time_s_mean",
             "step_time_s_min", "step_time_s_max", "model_flops_per_s", "model_flops_per_s_spread", "tokens_per_s",
-            "cache_peak_resident_bytes"} <= set(points[0])
+            "cache_peak_resident_bytes", "process_rss_peak_bytes", "activation_peak_source"} <= set(points[0])
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "rok.md").read_text()
+    assert all(f"`{column}`" in documented for column in points[0]), "docs/rok.md describes every column"
     assert {(r["strategy"], r["batch_size"]) for r in points} == {
         (s, b) for s in _rok_worker.STRATEGIES for b in ("1", "2")}
     for r in points:
@@ -46,6 +51,7 @@ def test_quick_run_writes_csv_json_png(tmp_path):
         assert r["status"] == "ok" or r["status"].startswith(("unavailable:", "failed:")), r
         if r["status"] == "ok":
             assert int(r["num_samples"]) == 2  # --quick: two passes
+            assert float(r["activation_peak_bytes"]) > 0 and float(r["process_rss_peak_bytes"]) > 0
             lo, med, hi = (float(r[f"model_flops_per_s{x}"]) for x in ("_min", "", "_max"))
             assert 0 < lo <= med <= hi and float(r["step_time_s"]) > 0
     with open(tmp_path / "rok_samples.csv") as f:
@@ -61,20 +67,16 @@ def test_quick_run_writes_csv_json_png(tmp_path):
     assert adaptive["decision_tail_start"] is not None and adaptive["warmup_steps_run"] >= 3
     for budget in (s for s in report["samples"] if s["strategy"] == "budget" and s["status"] == "ok"):
         keep = next(s for s in report["samples"] if s["strategy"] == "keep" and s["batch_size"] == budget["batch_size"])
-        assert budget["activation_budget_bytes"] == int(0.5 * keep["cache_peak_resident_bytes"])
+        assert budget["activation_budget_bytes"] == int(0.5 * keep["activation_peak_bytes"])
+    assert report["summary"]["headline"].startswith("at b=2: recompute: ")
+    assert "headline, at b=2" in out and "at the largest batch (b=2)" in out and "above keep's activation peak" in out
+    summary_txt = (tmp_path / "rok_summary.txt").read_text()
+    assert "== ROK curve ==" in summary_txt and "headline, at b=2" in summary_txt and str(tmp_path) not in summary_txt
     keep_curve = report["plot"]["curve"]["keep"]
     assert keep_curve["batch_sizes"] == [1, 2] and len(keep_curve["yerr"]) == 2 and len(keep_curve["yerr"][0]) == 2
     png = (tmp_path / "rok_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert (tmp_path / "logs" / "sweep.log").read_text().count("pass 2 starts") == 1
-
-
-def _spec(**kw):
-    spec = dict(device="cpu", model=dict(layers=2, hidden=32, heads=2, seq_len=16, vocab=16), dtype="float32",
-                strategy="keep", batch_size=2, steps=1, warmup_steps=0, min_offload_bytes=0, keep_last_modules=1,
-                adaptive=False, ssd_dir=None, num_threads=None, mmap_threshold_bytes=None)
-    spec.update(kw)
-    return spec
 
 
 def test_unavailable_offloader_is_a_row_not_a_crash():
@@ -207,8 +209,7 @@ def test_plot_series_has_error_bars():
 
 def test_strategy_options():
     assert _rok_worker.cache_options(_spec(strategy="recompute")) is None
-    keep = _rok_worker.cache_options(_spec(strategy="keep", adaptive=True))
-    assert keep["offloader"] == "none" and keep["adaptive"] is False
+    assert _rok_worker.cache_options(_spec(strategy="keep", adaptive=True)) is None  # plain PyTorch
     assert _rok_worker.cache_options(_spec(strategy="offload-host"))["adaptive"] is False
     adaptive = _rok_worker.cache_options(_spec(strategy="adaptive"))  # tba's default policy: no adaptive option
     assert adaptive["offloader"] == "ssd" and "adaptive" not in adaptive
@@ -220,11 +221,16 @@ def test_strategy_options():
 
 
 def test_budget_is_a_fraction_of_keeps_cache_peak():
-    samples = [{"repeat": 0, "strategy": "keep", "batch_size": 4, "status": "ok", "cache_peak_resident_bytes": 1000},
+    samples = [{"repeat": 0, "strategy": "keep", "batch_size": 4, "status": "ok", "activation_peak_bytes": 1000},
                {"repeat": 0, "strategy": "keep", "batch_size": 8, "status": "failed: x"}]
     sample = _rok_schedule.Sample(0, 4, "budget")
     assert _rok_cli._budget_for(sample, samples, 0.5) == 500
     assert _rok_cli._budget_for(_rok_schedule.Sample(0, 8, "budget"), samples, 0.5) is None
+
+
+def test_default_sweep_leaves_out_recompute_and_offload_only():
+    args = _rok_cli._parse_args([], "tba rok")
+    assert args.strategies == [s for s in _rok_worker.STRATEGIES if s != "recompute+offload"]
 
 
 def test_strategy_order_and_budget_needs_keep(capsys):
@@ -252,8 +258,8 @@ def test_budget_strategy_meets_its_budget():
     spec = _spec(model=dict(layers=6, hidden=64, heads=2, seq_len=64, vocab=64), batch_size=4, steps=2,
                  policy_offloader="host")
     keep = _rok_worker.run_point(spec)
-    assert keep["status"] == "ok" and keep["cache_peak_resident_bytes"] > 0
-    budget = int(0.75 * keep["cache_peak_resident_bytes"])
+    assert keep["status"] == "ok" and keep["activation_peak_bytes"] > 0
+    budget = int(0.75 * keep["activation_peak_bytes"])
     row = _rok_worker.run_point(dict(spec, strategy="budget", activation_budget_bytes=budget))
     assert row["status"] == "ok", row
     assert row["activation_budget_bytes"] == budget and row["offloader"] == "host"
@@ -265,7 +271,7 @@ def test_budget_strategy_meets_its_budget():
 def test_docstring_examples_run():
     import doctest
 
-    for module in (_rok_schedule, _rok_spread):
+    for module in (_rok_schedule, _rok_spread, _rok_warmup, _rok_summary, _rok_cli):
         result = doctest.testmod(module, raise_on_error=False, verbose=False)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
@@ -289,7 +295,8 @@ class _ScriptedCache:
 def _warmup_steps(script, measured=2, strategy="adaptive", adaptive=False):
     # The worker's loop: warm up until _Warmup says enough, then the measured steps.
     cache = _ScriptedCache(script)
-    warmup = _rok_worker._Warmup(_spec(strategy=strategy, warmup_steps=1, adaptive=adaptive), cache)
+    spec = _spec(strategy=strategy, warmup_steps=1, adaptive=adaptive)
+    warmup = _rok_warmup.Warmup(1, cache, _rok_worker.deciding(_rok_worker.cache_options(spec)))
     i = 0
     while i < warmup.steps + measured:
         cache.step += 1  # the step runs
@@ -311,5 +318,5 @@ def test_warmup_waits_for_the_policy_to_settle():
     assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="offload-ssd").steps == 1  # not a policy
     assert _warmup_steps([(None, 10)] + [(None, 10)] * 3, strategy="keep", adaptive=True).steps == 1
     assert _warmup_steps([(None, 10)] + [(5, 0), (5, 9), (5, 9)], strategy="offload-ssd", adaptive=True).steps == 4
-    moving = _warmup_steps([(None, 10)] + [(4, 0), (4, 10)] * _rok_worker._MAX_EXTRA_WARMUP)
-    assert moving.steps == 3 + _rok_worker._MAX_EXTRA_WARMUP and "still moving" in moving.unsettled
+    moving = _warmup_steps([(None, 10)] + [(4, 0), (4, 10)] * _rok_warmup.MAX_EXTRA_WARMUP)
+    assert moving.steps == 3 + _rok_warmup.MAX_EXTRA_WARMUP and "still moving" in moving.unsettled
