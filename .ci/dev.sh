@@ -18,15 +18,17 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# --no-compile: byte-compiling all of torch and transformers at install takes longer than
+# compiling, at first import, the modules a run imports.
 if ! python -c "import torch" 2>/dev/null; then
-  pip install -q torch==2.13.0
+  pip install -q --no-compile torch==2.13.0
 fi
 # Pin whatever torch is installed so no dependency can upgrade it.
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
 if [ "$what" = main ]; then
-  pip install -q -c "$constraints" -e ".[bench]"
+  pip install -q --no-compile -c "$constraints" -e ".[bench]"
   rm -f "$constraints"  # exec skips the EXIT trap
   exec python benchmarks/rok_curve.py "$@"
 fi

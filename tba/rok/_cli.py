@@ -29,8 +29,10 @@ __all__ = ["main"]
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout, when tba runs from one
 
-# GPT-2 shapes: activations dominate (narrow, deep, small vocabulary).
-_CPU_MODEL = dict(layers=12, hidden=128, heads=4, seq_len=128, vocab=1024)
+# GPT-2 shapes: activations dominate (narrow, deep, small vocabulary). On CPU 6 blocks: the
+# adaptive policy's closed loop runs ~20 steps per sample, and the main job must stay within 5
+# minutes on 2 cores, set-up included.
+_CPU_MODEL = dict(layers=6, hidden=128, heads=4, seq_len=128, vocab=1024)
 _QUICK_MODEL = dict(layers=2, hidden=64, heads=2, seq_len=32, vocab=128)
 
 

@@ -74,7 +74,7 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
 
     cuda = env["device"] == "cuda"
     series = plot_series(points, summary, cuda)
-    fig, (ax, ax_o, ax_p) = plt.subplots(1, 3, figsize=(18, 6.8), gridspec_kw={"width_ratios": [5, 3, 3]})
+    fig, (ax, ax_o, ax_p) = plt.subplots(1, 3, figsize=(18, 7), gridspec_kw={"width_ratios": [5, 3, 3]})
     for s in dict.fromkeys(p["strategy"] for p in points):
         color = _COLORS.get(s)
         c = series["curve"].get(s)
@@ -139,9 +139,9 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
             + (f"; load average at start {load[0]:.2f}" if load else "")
             + "; " + "; ".join(notes) + f"; command: {env['command']}")
     fig.text(0.01, 0.01, "\n".join(textwrap.wrap(foot, 220)), fontsize=7, va="bottom", family="monospace")
-    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
     # The caption under the main panel: what "the training device" is in this run.
-    fig.text(ax.get_position().x0, 0.085, device_caption(cuda), fontsize=8.5, va="top", style="italic")
+    fig.text(ax.get_position().x0, 0.1, device_caption(cuda), fontsize=8.5, va="top", style="italic")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return series

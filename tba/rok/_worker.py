@@ -8,6 +8,7 @@ preloaded torch and transformers, so every point starts from a fresh address spa
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import platform
@@ -204,15 +205,21 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     loss = float("nan")
     counted: dict[str, Any] = {}
     warmup = Warmup(spec["warmup_steps"], cache, deciding(options))
+    # Note [One measure of activation memory]: the meter counts one untimed step: without a
+    # cache (keep, recompute) the last warm-up step (every step saves the same tensors), else
+    # one more after the warm-up, when the cache's transfers run as in the measured steps.
+    count_in_warmup = meter is not None and cache is None and warmup.steps >= 1
     try:
         i = 0
         while i < warmup.steps:
-            step()
+            with meter.measuring() if count_in_warmup and i == warmup.steps - 1 else contextlib.nullcontext():
+                step()
             i += 1
             warmup.after_step(i)
-        if meter is not None:  # one accounting step: Note [One measure of activation memory]
+        if meter is not None and not count_in_warmup:
             with meter.measuring():
                 step()
+        if meter is not None:
             counted = {"activation_peak_bytes": meter.peak_bytes, "num_saved_storages": meter.num_storages,
                        **{f"meter_{kind}_bytes": n for kind, n in meter.peak_by_kind.items()}}
         for _ in range(spec["steps"]):

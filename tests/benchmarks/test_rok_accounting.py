@@ -62,10 +62,11 @@ def _saved_storages(model: torch.nn.Module, ids: torch.Tensor, kept_from: torch.
     return found
 
 
-def test_keep_counts_every_byte_autograd_saved() -> None:
+@pytest.mark.parametrize("warmup_steps", [0, 1])  # counted on a step of its own, or on the warm-up step
+def test_keep_counts_every_byte_autograd_saved(warmup_steps: int) -> None:
     model, ids = _model_and_ids()
     saved = sum(n for n, _ in _saved_storages(model, ids).values())
-    row = _rok_worker.run_point(spec(strategy="keep"))
+    row = _rok_worker.run_point(spec(strategy="keep", warmup_steps=warmup_steps))
     assert row["status"] == "ok", row
     assert row["activation_peak_source"] == "meter" and "cache_peak_resident_bytes" not in row
     assert row["activation_peak_bytes"] == saved > 0
