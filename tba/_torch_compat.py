@@ -15,7 +15,7 @@ __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
     "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "is_compiling",
     "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "capturing", "STAMP_ATTR",
-    "FAMILY_ATTR",
+    "FAMILY_ATTR", "graph_task_id", "queue_end_of_backward",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -26,7 +26,7 @@ __all__ = [
 # Tested in tests/cache/test_adversarial.py (fused-qkv views) and tests/cache/test_identity.py.
 STAMP_ATTR = "_tba_stamp"
 # The same for the root tensor of a view family (torch preserves a tensor's Python object as
-# long as its TensorImpl lives): Note [Version-counter families] in tba/cache/table.py.
+# long as its TensorImpl lives): Note [Version-counter families] in tba/cache/engine/table.py.
 FAMILY_ATTR = "_tba_family"
 
 
@@ -61,7 +61,7 @@ def release_alias(alias: torch.Tensor) -> None:
     """Point ``alias`` (a ``detach()`` alias) at an empty storage, keeping its version counter
     (shared with its view family) untouched: the family's in-place writes stay observable
     through ``alias._version`` without holding the memory (Note [Saved-version check] in
-    tba/cache/table.py). ``set_`` is dispatched below the ADInplaceOrView key, which is where
+    tba/cache/engine/table.py). ``set_`` is dispatched below the ADInplaceOrView key, which is where
     in-place ops bump the counter, so no thread ever sees a transient version change (autograd
     checks that a pack hook leaves its input's version alone)."""
     with torch._C._AutoDispatchBelowADInplaceOrView():
@@ -184,3 +184,16 @@ def keep_dynamo_out(*functions: Any) -> None:
         code = getattr(getattr(fn, "__func__", fn), "__code__", None)
         if code is not None:
             setter(code, strategy(action.SKIP, action.SKIP))
+
+
+# ---------------------------------------------------------------------------- backward passes
+def graph_task_id() -> int:
+    """The id of the autograd graph task (backward pass) running on this thread, or -1."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Run ``callback()`` when the backward pass running on this thread ends (autograd's
+    final callbacks: after its last node ran, before ``backward()`` returns; an exception it
+    raises is raised by ``backward()``). Call only from inside a backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tba import _torch_compat as compat
-from tba.cache.entries import Handle
+from tba.cache.engine import Handle
 from tba.cache.policy import Boundary
 from tba.cache.stats import CacheStats, format_bytes
 from tba.config import TensorCacheConfig
@@ -90,7 +90,7 @@ class NoOffloadDiagnosis:
                 sample.num_managed += 1
                 if entry.nbytes > sample.max_managed_bytes:
                     sample.max_managed_bytes = entry.nbytes
-                if entry.offload:
+                if entry.xfer is not None:
                     sample.num_marked += 1
                 elif entry.nbytes >= min_bytes:
                     sample.num_kept_by_policy += 1

@@ -1,5 +1,15 @@
-"""Per-thread forward state of the hooks, and how an interrupted forward is recognised
-(Note [Interrupted forwards] in tba/cache/hooks.py)."""
+"""Per-thread forward state of the hooks, and how an interrupted forward is recognised.
+
+Note [Interrupted forwards]: torch runs ``always_call`` forward hooks for ``Exception`` only,
+so a ``KeyboardInterrupt`` (or ``SystemExit``) raised inside the model's forward skips the
+root's post hook: this thread's depth, saved-tensor hooks and record stay as they were. Two
+places close such a forward: the next forward of the model (it finds no outer call of the
+model on the stack), and the next save that reaches tba's pack hook after a Ctrl-C (tba's
+SIGINT handler counts the interrupts it let through, ``interrupts.interrupt_count``; a save
+that sees the count moved since its forward began looks for that forward on the stack once).
+So a caught Ctrl-C leaves the cache usable, and another model's forward afterwards is not
+offloaded by tba's stale hooks.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ class ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.caller_id = 0  # id of the frame of the outermost forward call running
+        self.epoch = 0  # interrupts.interrupt_count when that forward began
         self.depth = 0
         self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self.forward = ForwardPass()

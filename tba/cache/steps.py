@@ -30,8 +30,8 @@ _BANDWIDTH_DRIFT = 1.5  # re-profile when measured write bandwidth moves by this
 class Steps:
     """Tracks the running step and keeps the finished ones' counters.
 
-    A step opens at a forward of the model and finishes (``finish``, called by the cache) when
-    everything it saved was released. With ``adaptive``, the step ``profile_step`` is profiled
+    The step tracker (tba/cache/tracker.py) says where steps begin and end: ``begin_forward``
+    at each forward, ``finish`` when a step ends (Note [Step boundaries]). With ``adaptive``, the step ``profile_step`` is profiled
     and the boundary decided from it; a change of input shapes, of forwards per step, or of the
     measured write bandwidth schedules a new profile; with ``max_step_overhead`` the rule's
     boundary is then checked against measured step time (Note [Closed loop]). With
@@ -55,8 +55,6 @@ class Steps:
         self._boundary = boundary
         self._offloader = offloader
         self._on_cuda = on_cuda
-        self.open = False
-        self.backward_seen = False
         self.last = CacheStats()
         self.total = CacheStats()
         self.history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
@@ -86,11 +84,9 @@ class Steps:
             else None
         )
 
-    def begin_forward(self, args: Any) -> None:
-        """A forward of the model starts: open a step if none is, profile it if due."""
-        if not self.open:
-            self.open = True
-            self.backward_seen = False
+    def begin_forward(self, args: Any, opened: bool) -> None:
+        """A forward of the model starts (``opened``: it opened a step): profile it if due."""
+        if opened:
             if self.clock is None:
                 self.clock = default_clock(self._on_cuda())
             self._step_start = self.clock.mark() if self.loop is not None else None
@@ -112,8 +108,6 @@ class Steps:
     def finish(self, step: CacheStats, peak_held_bytes: int) -> CacheStats:
         """Close the running step with its counters ``step``: record them, decide or
         re-profile, size the offloader from ``peak_held_bytes`` once."""
-        self.open = False
-        self.backward_seen = False
         self.last = step
         self.total = self.total.merged(step)
         self._num_done += 1
@@ -124,6 +118,8 @@ class Steps:
             self._step_start = None
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
+        if forwards == 0:  # a step of backward alone (Note [Step boundaries]): not a new shape
+            forwards = self._forwards_per_step or 0
         if self._forwards_per_step not in (None, forwards) and decision is not None:
             self._reprofile(f"{forwards} forwards per step instead of {self._forwards_per_step}")
         self._forwards_per_step = forwards

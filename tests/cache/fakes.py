@@ -114,17 +114,23 @@ class RecordingStreams:
         return False  # one fake stream: the consumer is the allocation stream
 
 
-def bare_engine(offloader: Any, saved: torch.Tensor) -> tuple[Any, Any]:
-    """A transfer engine alone (no cache, real stream layer) and one offloadable entry for
-    ``saved``, holding its one reference: for tests that drive the engine's calls directly."""
-    from tba.cache.entries import Entry
+def bare_engine(offloader: Any, saved: torch.Tensor, **options: Any) -> tuple[Any, Any]:
+    """A transfer engine alone (no cache, real stream layer) and a handle of ``saved`` saved
+    into it for offload (the handle holds its entry's one reference): for tests that drive the
+    engine's calls directly. Drop the handle and call ``engine.drain()`` to release it."""
+    from tba.cache.engine import Engine
+    from tba.cache.scopes import Record, Scope
     from tba.cache.streams import DeviceStreams
     from tba.cache.trace import TraceRecorder
-    from tba.cache.transfers import Transfers
 
-    engine = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
-                       max_inflight_bytes=1 << 30, on_io_error="raise", trace=TraceRecorder())
-    storage = saved.untyped_storage()
-    entry = Entry(1, 1, saved, storage, storage.nbytes(), True, None)
-    entry.refs = 1
-    return engine, entry
+    settings: dict[str, Any] = dict(
+        num_store_threads=1, num_load_threads=1, max_inflight_bytes=1 << 30, min_offload_bytes=0,
+        on_io_error="raise", timeout_s=30.0,
+    )
+    settings.update(options)
+    engine = Engine(offloader, DeviceStreams(), trace=TraceRecorder(), **settings)
+    record = Record((-1, 0), keep_tail=True)
+    scope = Scope(record, 0, None, keep=False)
+    record.scopes.append(scope)
+    handle, _ = engine.save(saved, saved.untyped_storage(), saved, scope, record, True)
+    return engine, handle
