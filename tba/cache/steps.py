@@ -28,16 +28,16 @@ _BANDWIDTH_DRIFT = 1.5  # re-profile when measured write bandwidth moves by this
 
 
 class Steps:
-    """Tracks the running step and keeps the finished ones' counters.
+    """Keeps the finished steps' counters and runs the adaptive cycle.
 
     The step tracker (tba/cache/tracker.py) says where steps begin and end: ``begin_forward``
-    at each forward, ``finish`` when a step ends (Note [Step boundaries]). With ``adaptive``, the step ``profile_step`` is profiled
-    and the boundary decided from it; a change of input shapes, of forwards per step, or of the
-    measured write bandwidth schedules a new profile; with ``max_step_overhead`` the rule's
-    boundary is then checked against measured step time (Note [Closed loop]). With
-    ``activation_budget_bytes`` the
-    profiled step decides the budget boundary instead (Note [Budget mode]), and every later step
-    whose measured peak exceeds the budget moves it. All methods run under the cache's lock.
+    at each forward, ``finish`` when a step ends (Note [Step boundaries]). With ``adaptive``,
+    the step ``profile_step`` is profiled and the boundary decided from it; a change of input
+    shapes, of forwards per step, or of the measured write bandwidth schedules a new profile;
+    with ``max_step_overhead`` the rule's boundary is then checked against measured step time
+    (Note [Closed loop]). With ``activation_budget_bytes`` the profiled step decides the budget
+    boundary instead (Note [Budget mode]), and every later step whose measured peak exceeds the
+    budget moves it. All methods run under the cache's lock.
     """
 
     def __init__(

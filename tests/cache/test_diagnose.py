@@ -199,12 +199,12 @@ class _Clock:
 
 
 def test_adaptive_keep_everything_names_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tba.cache.engine.core as core
+    import tba.cache.engine.waits as waits
     import tba.cache.engine.workers as workers
 
     clock = _Clock()
     monkeypatch.setattr(workers, "time", clock)  # the workers time the stores, inline ones too
-    monkeypatch.setattr(core, "time", clock)  # ... and the engine its waits
+    monkeypatch.setattr(waits, "time", clock)  # ... and the engine its waits
     model = models.Stack()
     with caught() as messages:
         # The embedding (before every block) is skipped so that "keep every block" keeps all.
