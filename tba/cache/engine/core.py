@@ -27,7 +27,8 @@ import torch
 from tba.cache import interrupts
 from tba.cache.engine.accounting import EngineAccounting
 from tba.cache.engine.entries import Entry, Handle, HandleRef, Transfer
-from tba.cache.engine.states import HOLDS, HOLDS_DATA, TRANSITIONS, Event, State
+from tba.cache.engine.states import DROP_KEPT_ROW, HOLDS_DATA, KEEP_ROW, ROWS, Event, State
+from tba.cache.engine.table import FAMILY_ATTR, STAMP_ATTR, next_stamp
 from tba.cache.engine.table import EntryTable
 from tba.cache.engine.waits import EngineWaits
 from tba.cache.engine.workers import INLINE_MAX_BYTES, TransferWorkers
@@ -52,6 +53,7 @@ _WAKE_BYTES = 1 << 20
 
 E, S = Event, State
 _LOAD_ENDS = frozenset((E.LOAD_DONE, E.LOAD_FAILED, E.ABANDON))
+_KEPT, _DROPPED = KEEP_ROW[0], DROP_KEPT_ROW[0]
 
 
 class Engine(EngineWaits, EngineAccounting, TransferWorkers):
@@ -128,26 +130,26 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
     def _apply(self, entry: Entry, event: Event) -> State:
         """Move ``entry`` by ``event`` (lock held): Note [Entry state machine]."""
         old = entry.state
-        row = TRANSITIONS.get((old, event))
+        row = ROWS.get((old, event))
         if row is None:
             raise AssertionError(f"tba bug: event {event.value!r} on a {old} entry")
-        new, stats = row
+        new, dr, di, dh, stats = row
         n = entry.nbytes
-        r0, i0, h0 = HOLDS[old] if old is not None else (0, 0, 0)
-        r1, i1, h1 = HOLDS[new]
-        resident = self.resident_bytes + n * (r1 - r0)
-        inflight = self.inflight_bytes + n * (i1 - i0)
-        held = self.held_bytes + n * (h1 - h0)
         entry.state = new
-        self.resident_bytes, self.inflight_bytes, self.held_bytes = resident, inflight, held
         step = self.step
-        if resident > step.peak_resident_bytes:
-            step.peak_resident_bytes = resident
-        if held > self.peak_held_bytes:
-            self.peak_held_bytes = held
+        if dr:
+            resident = self.resident_bytes = self.resident_bytes + n * dr
+            if resident > step.peak_resident_bytes:
+                step.peak_resident_bytes = resident
+        if di:
+            self.inflight_bytes += n * di
+        if dh:
+            held = self.held_bytes = self.held_bytes + n * dh
+            if held > self.peak_held_bytes:
+                self.peak_held_bytes = held
         for name, per_byte in stats:
             setattr(step, name, getattr(step, name) + (n if per_byte else 1))
-        if i1 < i0 or event in _LOAD_ENDS:  # a transfer finished
+        if di < 0 or event in _LOAD_ENDS:  # a transfer finished
             self._progress += 1
             self._notify_done()
         return new
@@ -167,13 +169,24 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         storage, family and version, or a new one, offloaded if ``offload`` and the storage is
         at least ``min_offload_bytes``. Returns (handle, the entry if it is new)."""
         version = tensor._version
+        # Note [Storage stamps]: the stamps are set outside the lock (a stamp is unique however
+        # many threads draw one; setting the same object's twice would only waste one).
+        stamp = getattr(storage, STAMP_ATTR, None)
+        if stamp is None:
+            stamp = next_stamp()
+            setattr(storage, STAMP_ATTR, stamp)
+        family = getattr(root, FAMILY_ATTR, None)
+        if family is None:
+            family = next_stamp()
+            setattr(root, FAMILY_ATTR, family)
+        table = self.table
         with self.lock:
             if self.released:
                 self._drain_locked()
             if self.closed:
                 raise TBAError("tba: a save reached a closed tensor cache")
             while True:
-                stamp, family, entry, other_family = self.table.find(storage, root, version)
+                entry, other_family = table.find(stamp, family, version)
                 if entry is not None:
                     geometry: tuple | None = (
                         tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
@@ -181,6 +194,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
                     if scope.keep and entry.xfer is not None:
                         self._saved_again(entry, storage)
                     new = None
+                    table.num_deduplicated += 1
                     break
                 nbytes = storage.nbytes()
                 entry = Entry(stamp, family, tensor, storage, nbytes, scope)
@@ -195,12 +209,19 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
                             continue
                         xfer.event = self.streams.producer_event(device)
                         self._queue_store(entry)
-                else:
-                    self._apply(entry, E.KEEP)
-                self.table.insert(entry)
+                else:  # the KEEP row (Note [Entry state machine]), inline: the hot path
+                    entry.state = _KEPT
+                    resident = self.resident_bytes = self.resident_bytes + nbytes
+                    step = self.step
+                    step.kept_bytes += nbytes
+                    if resident > step.peak_resident_bytes:
+                        step.peak_resident_bytes = resident
+                table.insert(entry)
+                if other_family:
+                    table.num_family_entries += 1
                 new, geometry = entry, None
                 break
-            self.table.count(new is None, other_family)
+            table.num_packed += 1
             handle = Handle(entry, geometry, scope)
             ref = HandleRef(handle, self._queue_release)
             ref.entry, ref.record = entry, record
@@ -325,13 +346,21 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         while released:
             ref = released.popleft()
             entry = ref.entry
-            entry.handles.remove(ref)
+            handles = entry.handles
+            handles.remove(ref)
             record = ref.record
             record.num_handles -= 1
             if not record.num_handles and record.forward_done:
                 dead.append(record)
-            if not entry.handles and entry.state is not S.DROPPED:
-                self._drop(entry)
+            if not handles:
+                if entry.state is _KEPT and entry.xfer is None:
+                    # The DROP row of a kept entry (Note [Entry state machine]), inline.
+                    self.table.remove(entry)
+                    entry.state = _DROPPED
+                    self.resident_bytes -= entry.nbytes
+                    entry.data = entry.alias = None
+                elif entry.state is not S.DROPPED:
+                    self._drop(entry)
         if dead:
             self.on_records_dead(dead)
 

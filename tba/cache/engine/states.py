@@ -6,9 +6,11 @@ engine's three byte counters follows from its state alone (``HOLDS``: resident i
 flight to the offloader, held by the offloader), so a transition changes the counters by
 ``nbytes * (HOLDS[new] - HOLDS[old])`` and the invariant check (Note [Cache invariants]) sums
 ``HOLDS`` over the live entries and compares. The engine applies a row with one function
-(``Engine._apply``), under its lock, computing every new value before it assigns any (Note
-[Interrupt-safe bookkeeping]). A (state, event) pair missing from the table is a tba bug and
-raises at once instead of drifting counters.
+(``Engine._apply``; the two rows of the hot path, KEEP of a new entry and DROP of a kept one,
+inline in ``save`` and the release drain, read their deltas from the same table), always under
+its lock, a critical section that Ctrl-C cannot split (Note [Interrupt-safe bookkeeping]). A
+(state, event) pair missing from the table is a tba bug and raises at once instead of drifting
+counters.
 
 States: KEPT (in memory, never offloaded, or its store was cancelled or failed); QUEUED (in
 memory, store waiting for a worker); STORING (in memory, store running); STORING_WANTED (the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["State", "Event", "HOLDS", "TRANSITIONS", "HOLDS_DATA", "STAT_FIELDS"]
+__all__ = ["State", "Event", "HOLDS", "TRANSITIONS", "HOLDS_DATA", "STAT_FIELDS", "ROWS"]
 
 
 class State(enum.Enum):
@@ -134,3 +136,25 @@ TRANSITIONS: dict[tuple[State | None, Event], tuple[State, tuple[tuple[str, bool
     (S.LOADING, E.DROP): (S.ORPHAN_LOADING, ()),
     (S.READY, E.DROP): (S.DROPPED, ()),
 }
+
+
+_NONE = (0, 0, 0)
+
+#: ``TRANSITIONS`` compiled for ``Engine._apply``: (state, event) -> (new state, change of the
+#: resident, in-flight and held counters in units of the entry's size, step-counter deltas).
+ROWS: dict[tuple[State | None, Event], tuple[State, int, int, int, tuple[tuple[str, bool], ...]]] = {
+    (old, event): (
+        new,
+        HOLDS[new][0] - (HOLDS[old] if old is not None else _NONE)[0],
+        HOLDS[new][1] - (HOLDS[old] if old is not None else _NONE)[1],
+        HOLDS[new][2] - (HOLDS[old] if old is not None else _NONE)[2],
+        stats,
+    )
+    for (old, event), (new, stats) in TRANSITIONS.items()
+}
+
+# The hot path's rows (Engine.save and the release drain apply them inline).
+KEEP_ROW = ROWS[(None, Event.KEEP)]
+DROP_KEPT_ROW = ROWS[(State.KEPT, Event.DROP)]
+assert KEEP_ROW == (State.KEPT, 1, 0, 0, (("kept_bytes", True),)), KEEP_ROW
+assert DROP_KEPT_ROW == (State.DROPPED, -1, 0, 0, ()), DROP_KEPT_ROW

@@ -32,23 +32,13 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
 from tba._torch_compat import FAMILY_ATTR, STAMP_ATTR
 from tba.cache.engine.entries import Entry
 
-__all__ = ["EntryTable", "stamp_of"]
+__all__ = ["EntryTable", "next_stamp", "STAMP_ATTR", "FAMILY_ATTR"]
 
-_STAMPS = itertools.count(1)  # Note [Storage stamps]
-
-
-def stamp_of(obj: object, attr: str) -> int:
-    """The stamp of ``obj`` (a storage or a family root), given on first sight."""
-    stamp = getattr(obj, attr, None)
-    if stamp is None:
-        stamp = next(_STAMPS)
-        setattr(obj, attr, stamp)
-    return stamp
+#: A new stamp (Note [Storage stamps]: a counter, never a pointer or a clock).
+next_stamp = itertools.count(1).__next__
 
 
 class EntryTable:
@@ -57,32 +47,21 @@ class EntryTable:
     def __init__(self) -> None:
         self._by_stamp: dict[int, list[Entry]] = {}
         self.num_entries = 0
+        # Counts of the running step (the engine adds to them in ``save``).
         self.num_packed = 0
         self.num_deduplicated = 0
         self.num_family_entries = 0
 
-    def find(
-        self, storage: torch.UntypedStorage, root: torch.Tensor, version: int
-    ) -> tuple[int, int, Entry | None, bool]:
-        """(storage stamp, family stamp, the live entry of that storage, family and version or
-        None, whether the storage is held under another family)."""
-        stamp = stamp_of(storage, STAMP_ATTR)
-        family = stamp_of(root, FAMILY_ATTR)
+    def find(self, stamp: int, family: int, version: int) -> tuple[Entry | None, bool]:
+        """(the live entry of storage ``stamp``, family ``family`` and ``version`` or None,
+        whether that storage is held under another family)."""
         same = self._by_stamp.get(stamp)
         if same is None:
-            return stamp, family, None, False
+            return None, False
         for entry in same:
             if entry.family == family and entry.version == version:
-                return stamp, family, entry, False
-        return stamp, family, None, any(e.family != family for e in same)
-
-    def count(self, entry_found: bool, other_family: bool) -> None:
-        """Count one save: deduplicated, or a new entry of a storage held under another family."""
-        self.num_packed += 1
-        if entry_found:
-            self.num_deduplicated += 1
-        elif other_family:
-            self.num_family_entries += 1
+                return entry, False
+        return None, any(e.family != family for e in same)
 
     def insert(self, entry: Entry) -> None:
         same = self._by_stamp.get(entry.stamp)
