@@ -1,59 +1,47 @@
-"""A pytest plugin that delays tba's worker-side transfers at random, to find tests (and code)
-that pass only when the workers keep up with the training thread.
+"""A pytest plugin that delays tba's transfers at random, to find tests (and code) that pass
+only when the workers keep up with the training thread.
 
     .venv/bin/python -m pytest -p tests.chaos tests/cache tests/offloaders
 
-Every store, reserve and worker load sleeps a random 0 to ``TBA_CHAOS_MAX_MS`` milliseconds
-(default 30) first; ``TBA_CHAOS_SIDES`` (default ``store,load,reserve``) picks which. Inline
-transfers (Note [Small transfers inline]) run on the training thread and are not delayed. The
-delays are seeded (``TBA_CHAOS_SEED``, default 0) but thread scheduling is not, so a run is not
-repeatable. A test that fails under it either rests on timing (a bit-exact test that asserts
-bytes moved without ``settle=True``: backward cancels the stores that have not run) or found a
-real race. Known to rest on timing: ``tests/cache/test_adaptive.py::
+Every offloader ``tba.configure_tensor_cache`` builds (or is given) is wrapped in
+``tba.testing.ChaosOffloader``: each store, reserve and worker load sleeps a random 0 to
+``TBA_CHAOS_MAX_MS`` milliseconds (default 30) first; ``TBA_CHAOS_SIDES`` (default
+``store,load,reserve``) picks which. Small CPU storages the cache would store inline (Note
+[Small transfers inline]) go to the workers half the time (``TBA_CHAOS_WORKER_FRACTION``, default
+0.5); those stored inline are loaded without delay. Each cache's delays are seeded
+(``TBA_CHAOS_SEED``, default 0, plus the number of caches made before it) but thread scheduling
+is not, so a run is not repeatable. A test that fails under it either rests on timing (a
+bit-exact test that asserts bytes moved without ``settle=True``: backward cancels the stores
+that have not run), expects the offloader it passed to be the cache's own object, or found a real
+race. Known to rest on timing: ``tests/cache/test_adaptive.py::
 test_unthrottled_offloads_every_block_but_the_tail`` (the policy measures real stores).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
-import random
-import threading
-import time
+from typing import Any
 
-from tba.cache.workers import TransferWorkers
+from tba.testing import ChaosOffloader
 
 _MAX_S = float(os.environ.get("TBA_CHAOS_MAX_MS", "30")) / 1000
-_SIDES = set(os.environ.get("TBA_CHAOS_SIDES", "store,load,reserve").split(","))
-_rng = random.Random(int(os.environ.get("TBA_CHAOS_SEED", "0")))
-_rng_lock = threading.Lock()
+_SIDES = tuple(os.environ.get("TBA_CHAOS_SIDES", "store,load,reserve").split(","))
+_WORKER_FRACTION = float(os.environ.get("TBA_CHAOS_WORKER_FRACTION", "0.5"))
+_seeds = itertools.count(int(os.environ.get("TBA_CHAOS_SEED", "0")))
 
 
-def _delay() -> None:
-    with _rng_lock:
-        seconds = _rng.random() * _MAX_S
-    time.sleep(seconds)
+def pytest_configure(config: Any) -> None:
+    import tba.offloaders
 
+    make_offloader = tba.offloaders.make_offloader
 
-def pytest_configure(config) -> None:
-    run_store, run_load, reserve_now = (
-        TransferWorkers._run_store, TransferWorkers._run_load, TransferWorkers._reserve_now
-    )
+    def chaotic(cache_config: Any, *, rank: int | None = None) -> Any:
+        inner = make_offloader(cache_config, rank=rank)
+        if inner is None:
+            return None
+        return ChaosOffloader(inner, max_delay_s=_MAX_S, seed=next(_seeds), sides=_SIDES,
+                              worker_fraction=_WORKER_FRACTION)
 
-    def delayed_store(self, *args, **kwargs):
-        if "store" in _SIDES:
-            _delay()
-        return run_store(self, *args, **kwargs)
-
-    def delayed_load(self, entry, token):
-        if "load" in _SIDES and not entry.inline:
-            _delay()
-        return run_load(self, entry, token)
-
-    def delayed_reserve(self, *args, **kwargs):
-        if "reserve" in _SIDES:
-            _delay()
-        return reserve_now(self, *args, **kwargs)
-
-    TransferWorkers._run_store = delayed_store
-    TransferWorkers._run_load = delayed_load
-    TransferWorkers._reserve_now = delayed_reserve
+    # configure_tensor_cache looks make_offloader up in tba.offloaders at each call.
+    tba.offloaders.make_offloader = chaotic
