@@ -106,6 +106,8 @@ def test_the_pytest_plugin_wraps_what_configure_tensor_cache_builds(monkeypatch:
     tests.chaos.pytest_configure(None)
     model = factories.stack()
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",)) as cache:
-        assert isinstance(cache.offloader, ChaosOffloader) and cache.offloader.name == "chaos(host)"
+        assert isinstance(cache.offloader, ChaosOffloader) and isinstance(cache.offloader.inner, HostOffloader)
+        assert cache.offloader.name == "host"  # as without the plugin
+        assert cache.offloader.capacity_bytes == cache.offloader.inner.capacity_bytes  # seen through
     with tba.configure_tensor_cache(model, offloader="none", offload_devices=("cpu",)) as cache:
         assert cache.offloader is None

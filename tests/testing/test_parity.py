@@ -22,9 +22,13 @@ def ssd(tmp_path: Path) -> dict:
     return {"offloader": "ssd", "ssd_dirs": (str(tmp_path),), "ssd_engine": "posix"}
 
 
-@pytest.mark.parametrize("where", ["host", "ssd"])
+@pytest.mark.parametrize("where", ["host", "ssd", "host+ssd"])
 def test_gpt2_passes_with_bytes_moved(where: str, tmp_path: Path) -> None:
-    options = ssd(tmp_path) if where == "ssd" else {"offloader": "host"}
+    options = {"offloader": where}
+    if "ssd" in where:
+        options.update(ssd(tmp_path), offloader=where)
+    if where == "host+ssd":
+        options["host_budget_bytes"] = 64 << 10  # most tensors spill to the SSD
     report = check_parity(factories.gpt2(), factories.lm_batches(3), force=True, **options)
     assert report.ok, str(report)
     assert report.steps == 3 and report.first_mismatch is None and report.error is None
@@ -59,6 +63,34 @@ def test_a_run_that_moved_nothing_is_not_a_pass() -> None:
     assert not report.ok and "force=True" in report.reason
 
 
+class _SavedButUnused(torch.autograd.Function):
+    """Saves its input for backward and never reads it back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _NeverReads(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SavedButUnused.apply(x + self.bias).sum()
+
+
+def test_a_run_that_read_nothing_back_is_not_a_pass() -> None:
+    report = check_parity(_NeverReads(), [torch.randn(32, 64) for _ in range(2)], force=True)
+    assert not report.ok and report.offloaded_bytes > 0 and report.reloaded_bytes == 0
+    assert "nothing was read back" in report.reason
+
+
 def test_offloader_none_passes_without_moving_bytes() -> None:
     report = check_parity(factories.gpt2(), factories.lm_batches(2), offloader="none", offload_devices=("cpu",))
     assert report.ok and report.offloaded_bytes == 0 and report.offloader == "none"
@@ -84,6 +116,22 @@ def test_batches_as_tuples_and_tensors_and_buffers_compared() -> None:
     assert report.ok, str(report)
     assert len(made) == 2 and all(opt.state for opt in made)  # one per model, and stepped
     assert report.num_compared == 1 + 2 * 12 + 6  # loss, 12 grads and params, 6 buffers
+
+
+def test_a_model_changing_its_inputs_in_place_sees_the_same_batch_in_both_runs() -> None:
+    class Doubles(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            for block in self.blocks:
+                x = block(x).relu()
+            return x.pow(2).mean()
+
+    batches = [{"x": batch[0]} for batch in factories.vector_batches(2)]
+    assert check_parity(Doubles(), batches, force=True).ok
 
 
 def test_the_reference_is_the_given_model_trained(tmp_path: Path) -> None:
