@@ -25,6 +25,18 @@ class OffloaderWrapper:
 
     Raises:
         ValueError: ``inner`` is not an :class:`tba.offloaders.Offloader`.
+
+    Example:
+        >>> from tba.testing import FakeOffloader, OffloaderWrapper
+        >>> class Counting(OffloaderWrapper):
+        ...     def __init__(self, inner):
+        ...         super().__init__(inner, "counting")
+        ...         self.num_loads = 0
+        ...     def load(self, token, dst):
+        ...         self.num_loads += 1
+        ...         super().load(token, dst)
+        >>> Counting(FakeOffloader()).name
+        'counting(fake)'
     """
 
     def __init__(self, inner: Offloader, label: str) -> None:

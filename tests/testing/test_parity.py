@@ -257,9 +257,9 @@ def test_docstring_examples_run() -> None:
     import doctest
 
     import tba.testing
-    from tba.testing import _chaos, _determinism, _parity
+    from tba.testing import _broken, _chaos, _determinism, _fakes, _parity, _wrapping
 
-    for module in (tba.testing, _parity, _chaos, _determinism):
+    for module in (tba.testing, _parity, _chaos, _determinism, _wrapping, _fakes, _broken):
         result = doctest.testmod(module, raise_on_error=False, verbose=False, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
 
