@@ -65,18 +65,25 @@ class ThreadState(threading.local):
         if ctx is not None and not aside:
             ctx.__exit__(None, None, None)
 
-    def step_aside(self) -> None:
-        """The outermost skipped module begins (Note [Stepping aside] in hook_stack.py): take
-        this forward's pair off the stack when it is on top."""
+    def enter_skipped(self) -> None:
+        """A module of ``skip_modules`` begins. The outermost one takes this forward's pair
+        off the stack when it is on top (Note [Stepping aside] in hook_stack.py)."""
+        forward = self.forward
+        forward.skip_depth += 1
         ctx = self.ctx
-        top = compat.top_saved_tensors_hooks()
-        if ctx is not None and top is not None and top[1] is ctx.unpack_hook:
-            ctx.__exit__(None, None, None)
-            self.aside = True
+        if forward.skip_depth == 1 and ctx is not None:
+            top = compat.top_saved_tensors_hooks()
+            if top is not None and top[1] is ctx.unpack_hook:
+                ctx.__exit__(None, None, None)
+                self.aside = True
 
-    def step_back(self) -> None:
-        """The outermost skipped module returned: put the pair back."""
-        if self.aside:
+    def leave_skipped(self) -> None:
+        """A module of ``skip_modules`` returned; the outermost one puts the pair back."""
+        forward = self.forward
+        if not forward.skip_depth:
+            return
+        forward.skip_depth -= 1
+        if not forward.skip_depth and self.aside:
             self.aside = False
             if self.ctx is not None:
                 self.ctx.__enter__()

@@ -32,7 +32,7 @@ from tba (the script's outer pair, if any, gets them), are never offloaded, and
 ``grad_fn._raw_saved_*.register_hooks(...)`` works there (PyTorch allows one pair per saved
 tensor: Note [register_hooks on a saved tensor] in tba/_torch_compat.py). A forward whose
 pair is stepped aside when it ends (an interrupt that skipped the module's post hook) leaves
-the stack alone. (``ThreadState.step_aside``, ``step_back`` and ``leave_hooks`` in
+the stack alone. (``ThreadState.enter_skipped``, ``leave_skipped`` and ``leave_hooks`` in
 forward_state.py.)
 """
 
@@ -52,7 +52,7 @@ from tba.cache.packed import PackedSubclass
 from tba.cache.saving import SavedTensors
 from tba.errors import TBAError
 
-__all__ = ["ChainedHooks", "PackedItems", "outer_pair", "attach", "detach"]
+__all__ = ["ChainedHooks", "PackedItems", "hooks_for_forward", "outer_pair", "attach", "detach"]
 
 _TENSOR = torch.Tensor
 
@@ -132,6 +132,20 @@ def _owner(unpack: Any) -> Any:
     """The tba object whose method ``unpack`` is, or None for the script's own hooks."""
     owner = getattr(unpack, "__self__", None)
     return owner if isinstance(owner, (SavedTensors, ChainedHooks)) else None
+
+
+def hooks_for_forward(
+    pack: Callable[[torch.Tensor], Any],
+    saved: SavedTensors,
+    on_passed: Callable[[Any], None] | None,
+) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
+    """The pair a forward beginning now enters: tba's (``pack`` and ``saved.unpack``), or a
+    chain to the script's pair when one is on top (once per forward)."""
+    outer = outer_pair()
+    if outer is None:
+        return pack, saved.unpack
+    chained = ChainedHooks(pack, saved, outer[0], outer[1], on_passed)
+    return chained.pack, chained.unpack
 
 
 def outer_pair() -> tuple[Any, Any] | None:

@@ -21,7 +21,7 @@ from tba import _torch_compat as compat
 from tba.cache import interrupts
 from tba.cache.engine import Engine
 from tba.cache.forward_state import on_stack, torch_caller
-from tba.cache.hook_stack import ChainedHooks, outer_pair
+from tba.cache.hook_stack import ChainedHooks, hooks_for_forward
 from tba.cache.module_hook import ModuleHook
 from tba.cache.run_order import RunOrder
 from tba.cache.saving import SavedTensors
@@ -178,11 +178,8 @@ class CacheHooks:
             pack = saved.captured  # Note [CUDA-graph capture]
         else:
             pack = self.watch_pack or self.sampled_pack or saved.pack
-        unpack = saved.unpack
-        outer = outer_pair()  # Note [Outer saved-tensor hooks]: once per forward
-        if outer is not None:
-            chained = ChainedHooks(pack, saved, outer[0], outer[1], self.on_outer_passed)
-            pack, unpack = chained.pack, chained.unpack
+        # Note [Outer saved-tensor hooks]: chained to the script's pair, if any.
+        pack, unpack = hooks_for_forward(pack, saved, self.on_outer_passed)
         ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         ctx.__enter__()
         state.ctx, state.caller_id, state.epoch = ctx, id(caller), interrupts.interrupt_count
@@ -236,15 +233,15 @@ class CacheHooks:
     def _skip_pre(self, module: nn.Module, args: Any) -> None:
         state = self.tracker.local
         if state.ctx is not None and not compat.in_backward():
-            forward = state.forward
-            forward.skip_depth += 1
-            if forward.skip_depth == 1:
-                state.step_aside()  # Note [Stepping aside]
+            with self.engine.lock:  # the stack and ``state.aside`` change together
+                state.enter_skipped()  # Note [Stepping aside]
+            if interrupts.pending:
+                interrupts.raise_pending()
 
     def _skip_post(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self.tracker.local
-        if state.ctx is not None and not compat.in_backward() and state.forward.skip_depth:
-            forward = state.forward
-            forward.skip_depth -= 1
-            if not forward.skip_depth:
-                state.step_back()
+        if state.ctx is not None and not compat.in_backward():
+            with self.engine.lock:
+                state.leave_skipped()
+            if interrupts.pending:
+                interrupts.raise_pending()

@@ -303,3 +303,23 @@ def test_register_hooks_wrapper_lives_with_the_caches() -> None:
     out = subprocess.run([sys.executable, "-c", _LIFETIME], capture_output=True, text=True,
                          check=True, cwd=str(Path(__file__).parents[2]))
     assert out.stdout.strip().splitlines()[-1] == str([False, True, True, False, True, False])
+
+
+def test_interrupt_inside_a_skipped_module_leaves_the_scripts_pair() -> None:
+    """Note [Stepping aside]: a KeyboardInterrupt skips the skipped module's post hook (and the
+    model's); the forward closed later must not take the script's pair off the stack."""
+    model = models.Stack(num_blocks=3)
+    tracker = Tracker()
+
+    def interrupt(x: torch.Tensor) -> torch.Tensor:
+        raise KeyboardInterrupt
+
+    with tba.configure_tensor_cache(model, skip_modules=("blocks.1",), **_CPU):
+        with tracker(model):
+            model.blocks[1].forward = interrupt
+            with pytest.raises(KeyboardInterrupt):
+                model(models.vector_batch(0))
+            del model.blocks[1].forward
+            model(models.vector_batch(1)).backward()  # closes the interrupted forward
+            assert compat.top_saved_tensors_hooks() == (tracker.pack, tracker.unpack)
+        assert compat.top_saved_tensors_hooks() is None

@@ -149,3 +149,18 @@ def test_outer_modules_frozen_parameter_passed_in(outer_hooks: bool) -> None:
         assert not [s for s in saves[0] if s.storage_ptr in outer_storages and s.managed]
     else:
         _check_no_parameter_offloaded(saves, outer_storages)
+
+
+def test_nothing_offloaded_warning_does_not_count_frozen_parameters() -> None:
+    """Note [Loud when it does nothing]: the saves it counts on devices tba does not manage
+    are activations; frozen parameters (and their views) are not among them."""
+    model = LoRAStack()
+    storages = _parameter_storages(model)
+    with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cuda",)) as cache:
+        with probe(cache).watch_saves() as saves, pytest.warns(UserWarning) as warned:
+            model(models.vector_batch(0)).backward()
+    activations = [s for s in saves if s.storage_ptr not in storages]
+    frozen = [s for s in saves if s.storage_ptr in storages]
+    assert activations and frozen
+    assert f"saved tensors on devices tba does not manage: {len(activations)} on cpu" in str(
+        warned[0].message), warned[0].message
