@@ -205,7 +205,7 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     """The (pack, unpack) pair autograd calls for a tensor saved now on this thread: the top
     of the thread's stack of default saved-tensor hooks (``saved_tensors_hooks`` contexts),
     or None when the stack is empty (Note [Outer saved-tensor hooks] in
-    tba/cache/outer_hooks.py)."""
+    tba/cache/hook_stack.py)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
