@@ -211,7 +211,8 @@ class CacheProbe:
 
     @property
     def saved_tensor_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-        """The (pack, unpack) pair each forward of the model enters."""
+        """The (pack, unpack) pair each forward of the model enters (with saved-tensor hooks of
+        the script around the forward, a chain to them: Note [Outer saved-tensor hooks])."""
         saved = self._cache._saved
         return saved.pack, saved.unpack
 

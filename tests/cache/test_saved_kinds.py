@@ -21,6 +21,11 @@ from tests.twin import assert_bytes_moved, run_twins
 
 WIDTH = 8
 
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning",
+    "ignore:`torch.jit.script` is deprecated:DeprecationWarning",  # TwoTensor's import
+)
+
 
 class SaveOne(torch.autograd.Function):
     """``h.sin()``, saving ``make(h)`` beside ``h`` (and checking it comes back equal)."""
