@@ -211,8 +211,9 @@ class CacheProbe:
 
     @property
     def saved_tensor_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-        """The (pack, unpack) pair each forward of the model enters (with saved-tensor hooks of
-        the script around the forward, a chain to them: Note [Outer saved-tensor hooks])."""
+        """tba's (pack, unpack) pair: what each forward of the model enters, unless the script
+        has saved-tensor hooks of its own around the forward (then a chain from them to this
+        pair: Note [Outer saved-tensor hooks])."""
         saved = self._cache._saved
         return saved.pack, saved.unpack
 
