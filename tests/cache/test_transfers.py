@@ -13,7 +13,7 @@ import torch
 import tba
 from tba.cache.tensor_cache import TensorCache
 from tests import models
-from tests.cache.fakes import FakeOffloader, RecordingStreams
+from tests.cache.fakes import FakeOffloader, RecordingStreams, bare_engine
 from tests.twin import assert_bytes_moved, run_twins
 
 
@@ -94,31 +94,26 @@ def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
 
 
 def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
-    from tba.cache.entries import Entry, State
-    from tba.cache.streams import DeviceStreams
-    from tba.cache.trace import TraceRecorder
-    from tba.cache.transfers import Transfers
+    from tba.cache.engine import State
 
     offloader = FakeOffloader()
-    transfers = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
-                          max_inflight_bytes=1 << 20, on_io_error="raise",
-                          trace=TraceRecorder())
     data = torch.arange(4097, dtype=torch.int64).view(torch.uint8).clone()
     saved = data.clone()
-    entry = Entry(1, 1, saved, saved.untyped_storage(), saved.untyped_storage().nbytes(), True, None)
+    engine, handle = bare_engine(offloader, saved, max_inflight_bytes=1 << 20)
+    entry = handle.entry
     del saved
-    transfers.add(entry)
-    transfers.wait_for_stores(60)
+    engine.wait_for_stores(60)
     assert entry.state is State.STORED
-    assert entry.data is None and transfers.resident_bytes == 0
-    loaded, _ = transfers.fetch(entry)  # nobody prefetched it
+    assert entry.data is None and engine.resident_bytes == 0
+    loaded, _ = engine.fetch(entry)  # nobody prefetched it
     assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(loaded), data)
-    assert transfers.step.num_sync_loads == 1 and transfers.step.reloaded_bytes == data.numel()
-    loaded, _ = transfers.fetch(entry)  # READY now: no second read
+    assert engine.step.num_sync_loads == 1 and engine.step.reloaded_bytes == data.numel()
+    loaded, _ = engine.fetch(entry)  # READY now: no second read
     assert offloader.num_loads == 1
-    transfers.drop(entry)
-    assert offloader.released == [0] and transfers.resident_bytes == 0
-    transfers.close([])
+    del handle, entry, loaded
+    engine.drain()
+    assert offloader.released == [0] and engine.resident_bytes == 0 and not engine.check()
+    engine.close()
 
 
 def test_inflight_bytes_bound_applies_backpressure() -> None:
@@ -196,42 +191,3 @@ def test_custom_offloader_bit_exact_and_released() -> None:
     assert_bytes_moved(cache)
     assert offloader.num_stores > 0 and offloader.num_loads > 0
     assert offloader.closed and not offloader.blobs
-
-
-def test_reloaded_entries_give_their_offloader_space_back_at_once() -> None:
-    # Note [A reloaded entry holds no offloader space] (tba/cache/workers.py): a load's token is
-    # released as soon as the bytes are back, while backward still holds the entry, so the
-    # offloader and the device never both hold them. With one load worker, every load starts
-    # after the tokens of the loads before it were given back; prefetch (2 modules ahead) loads
-    # entries well before backward is done with them.
-    class Recording(FakeOffloader):
-        def __init__(self) -> None:
-            super().__init__()
-            self.loaded: list[int] = []
-            self.late: list[int] = []
-
-        def load(self, token: int, dst: torch.Tensor) -> None:
-            with self.lock:
-                self.late += [t for t in self.loaded if t not in self.released]
-                self.loaded.append(token)
-            super().load(token, dst)
-
-    def run(offloader: FakeOffloader) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        model = models.Stack(num_blocks=6)
-        cache = make_cache(model, offloader, prefetch_modules=2) if offloader is not None else None
-        for step in range(2):
-            loss = model(models.vector_batch(step))
-            if cache is not None:
-                cache.wait_for_stores(60)  # every store done: backward reads them all back
-            loss.backward()
-        if cache is not None:
-            assert cache.stats().reloaded_bytes > 0
-            cache.close()
-        return [p.grad for p in model.parameters()]
-
-    offloader = Recording()
-    grads = run(offloader)
-    assert len(offloader.loaded) > 6 and offloader.late == []
-    assert sorted(offloader.released) == sorted(offloader.loaded) and not offloader.blobs
-    assert all(torch.equal(a, b) for a, b in zip(grads, run(None)))
