@@ -81,7 +81,7 @@ def test_keep_counts_every_byte_autograd_saved(warmup_steps: int) -> None:
 
 def test_offload_counts_what_stayed_resident() -> None:
     # Every storage is small: the host pool stores it on the training thread at its save
-    # (Note [Small transfers inline] in tba/cache/workers.py) once the pool has grown (the
+    # (Note [Small transfers inline] in tba/cache/engine/workers.py) once the pool has grown (the
     # warm-up steps), so what stays resident is exactly what the last block and the head
     # (keep_last_modules=1) save; an offloaded storage counts only for the moment of its save.
     model, ids = _model_and_ids()
