@@ -160,9 +160,6 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     from tba import plan
     from tba.rok._saved import SavedActivationMeter
 
-    # Everything imported so far lives as long as the process: keep it out of the collections
-    # below (each would otherwise walk torch's and transformers' objects: ~0.4 s on 2 cores).
-    gc.freeze()
     if spec.get("num_threads"):
         torch.set_num_threads(spec["num_threads"])
     strategy, b, device = spec["strategy"], spec["batch_size"], spec["device"]
@@ -324,6 +321,16 @@ def child_main(conn, kind: str, spec: dict[str, Any]) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    import torch  # noqa: F401 - preloaded by the forkserver: what gc.freeze() below covers
+
+    import tba.plan  # noqa: F401
+    import tba.rok._saved  # noqa: F401
+
+    # Everything imported so far lives as long as this process: keep it out of the point's
+    # collections (each would otherwise walk torch's and transformers' objects: ~0.4 s on 2
+    # cores). Here, not in run_point: frozen garbage of a process that calls run_point itself
+    # (the tests) would never be collected.
+    gc.freeze()
     try:
         result = probe(spec) if kind == "probe" else run_point(spec)
     except Exception as e:  # probe failures are reported like point failures

@@ -5,6 +5,7 @@ strategy's is what stayed in memory, recompute's holds the block inputs and one 
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 
 import pytest
@@ -66,7 +67,11 @@ def _saved_storages(model: torch.nn.Module, ids: torch.Tensor, kept_from: torch.
 def test_keep_counts_every_byte_autograd_saved(warmup_steps: int) -> None:
     model, ids = _model_and_ids()
     saved = sum(n for n, _ in _saved_storages(model, ids).values())
+    frozen = gc.get_freeze_count()
     row = _rok_worker.run_point(spec(strategy="keep", warmup_steps=warmup_steps))
+    # Only a worker process freezes its imports: frozen garbage of this process (a cache of an
+    # earlier test, with its SIGINT handler) would never be collected.
+    assert gc.get_freeze_count() == frozen
     assert row["status"] == "ok", row
     assert row["activation_peak_source"] == "meter" and "cache_peak_resident_bytes" not in row
     assert row["activation_peak_bytes"] == saved > 0
