@@ -8,8 +8,8 @@ Command lines (from the repository root, venv active):
     python benchmarks/rok_curve.py
     # -> out/rok/rok_curve.{png,csv,json}, rok_summary.txt, rok_samples.csv, logs/sweep.log
 
-    # The committed CPU reference run:
-    python benchmarks/rok_curve.py --out benchmarks/results/cpu_rok_curve
+    # The committed CPU reference run (benchmarks/results/cpu_rok_curve/) is the default run's
+    # rok_curve.png, rok_curve.csv and rok_summary.txt (bash .ci/dev.sh main in a fresh clone).
 
     # GPU sweep, GPT sized to the GPU (what benchmarks/gpu_suite.sh runs):
     python benchmarks/rok_curve.py --device cuda --out results/rok_cuda --time-budget-s 300
