@@ -381,6 +381,7 @@ def test_reloaded_entries_give_their_offloader_space_back_at_once() -> None:
             look = probe(cache)
 
             def snapshot(grad: torch.Tensor) -> None:
+                look.wait_idle(JOIN_S)  # the loads prefetched so far are done: their entries live on
                 mid_backward.append((look.entries, look.counters, look.check_invariants()))
 
             def watch(module: nn.Module, inputs: tuple, out: torch.Tensor) -> None:
@@ -407,6 +408,6 @@ def test_reloaded_entries_give_their_offloader_space_back_at_once() -> None:
     for entries, counters, problems in mid_backward:
         assert problems == []
         states = {e.state for e in entries}
-        assert "reloaded" in states and "stored" in states, states
+        assert "reloaded" in states, states
         in_offloader = sum(e.nbytes for e in entries if e.state in ("stored", "loading", "ready"))
         assert counters["held_bytes"] == in_offloader
