@@ -15,10 +15,10 @@ from typing import Any
 from tba.cache.engine.entries import Entry, Transfer
 from tba.cache.engine.states import State
 from tba.errors import TBAError
+from tba.settings import POLL_S
 
-__all__ = ["EngineWaits", "POLL_S"]
+__all__ = ["EngineWaits"]
 
-POLL_S = 0.5  # how often a wait checks that the workers are alive and the engine open
 
 S = State
 

@@ -18,11 +18,11 @@ from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.engine.entries import Entry, Transfer
 from tba.cache.engine.states import Event, State
 from tba.cache.profiler_ranges import transfer_range
-from tba.cache.streams import PAGE_BYTES
 from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
+from tba.settings import DIRECT_IO_ALIGNMENT
 
-__all__ = ["INLINE_MAX_BYTES", "TransferWorkers"]
+__all__ = ["TransferWorkers"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ E, S = Event, State
 # storages always go through the workers (their copies wait on streams). Both run inside the
 # engine's lock (a critical section: Note [Interrupt-safe bookkeeping]); the entry's state
 # machine and counters are the same as for a worker's transfer: only the thread differs.
-INLINE_MAX_BYTES = 64 << 10
 
 # Note [A reloaded entry holds no offloader space]: once a load has put an entry's bytes back in
 # memory, the entry keeps them until its last handle dies, and nothing reads its offloaded copy
@@ -178,7 +177,7 @@ class TransferWorkers:
         self.trace.span("store", start, end, entry.nbytes, True)
         xfer.inline = True
         xfer.token = token
-        xfer.page_offset = storage.data_ptr() % PAGE_BYTES
+        xfer.page_offset = storage.data_ptr() % DIRECT_IO_ALIGNMENT
         self.step.write_s += end - start
         self._apply(entry, E.STORED_INLINE)
         self._let_go(entry)
@@ -238,7 +237,7 @@ class TransferWorkers:
         self.trace.span("store", start, end, entry.nbytes, failure is None)
         resized = failure is None and storage.nbytes() != entry.nbytes
         # Note [Reload buffers at the source's page offset]
-        page_offset = storage.data_ptr() % PAGE_BYTES if storage.device.type == "cpu" else 0
+        page_offset = storage.data_ptr() % DIRECT_IO_ALIGNMENT if storage.device.type == "cpu" else 0
         del storage
         with self.lock:
             self.step.io_cpu_s += cpu.seconds
