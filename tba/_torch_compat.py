@@ -6,7 +6,8 @@ of these, this module is the only place to mend.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 import torch.autograd.profiler as _autograd_profiler
@@ -65,7 +66,8 @@ def release_alias(alias: torch.Tensor) -> None:
     in-place ops bump the counter, so no thread ever sees a transient version change (autograd
     checks that a pack hook leaves its input's version alone)."""
     with torch._C._AutoDispatchBelowADInplaceOrView():
-        alias.set_()  # an empty storage of the same dtype and device
+        # An empty storage of the same dtype and device; torch's stubs lack the no-argument form.
+        alias.set_()  # type: ignore[call-overload]
 
 
 def in_functorch_transform() -> bool:
@@ -127,7 +129,11 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def call_outside_compile(fn: Any, *args: Any, **kwargs: Any) -> Any:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def call_outside_compile(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
     """``fn(*args, **kwargs)``; Dynamo does not trace this call (it breaks the graph and runs
     it eagerly) nor, with ``keep_dynamo_out``, any frame below it."""
     return fn(*args, **kwargs)
@@ -140,7 +146,7 @@ _refusal_class: type | None = None
 num_traced_hooks = 0  # tba hooks Dynamo traced, process-wide (Note [tba under torch.compile])
 
 
-def _at_trace_time(ctx: Any) -> None:
+def _at_trace_time(ctx: object) -> None:
     """Run by Dynamo at trace time (``comptime``): count, and raise under ``fullgraph=True``."""
     global _refusal_class, num_traced_hooks
     num_traced_hooks += 1
@@ -167,7 +173,7 @@ def note_traced_hook() -> None:
     comptime(_at_trace_time)
 
 
-def keep_dynamo_out(*functions: Any) -> None:
+def keep_dynamo_out(*functions: Callable[..., object]) -> None:
     """Have Dynamo's frame evaluator skip ``functions`` and every frame they call (they run
     as plain Python even when called from compiled code). Idempotent; no-op on torch builds
     without ``set_code_exec_strategy``."""
@@ -192,8 +198,8 @@ def graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-def queue_end_of_backward(callback: Any) -> None:
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback()`` when the backward pass running on this thread ends (autograd's
     final callbacks: after its last node ran, before ``backward()`` returns; an exception it
     raises is raised by ``backward()``). Call only from inside a backward pass."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
