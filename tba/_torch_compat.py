@@ -16,7 +16,8 @@ __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
     "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "is_compiling",
     "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "capturing", "STAMP_ATTR",
-    "FAMILY_ATTR", "graph_task_id", "queue_end_of_backward",
+    "FAMILY_ATTR", "graph_task_id", "queue_end_of_backward", "top_saved_tensors_hooks",
+    "wrap_saved_tensor_register_hooks", "unwrap_saved_tensor_register_hooks",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -202,4 +203,55 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback()`` when the backward pass running on this thread ends (autograd's
     final callbacks: after its last node ran, before ``backward()`` returns; an exception it
     raises is raised by ``backward()``). Call only from inside a backward pass."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------- saved-tensor hooks
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair autograd calls for a tensor saved now on this thread: the top
+    of the thread's stack of default saved-tensor hooks (``saved_tensors_hooks`` contexts),
+    or None when the stack is empty (Note [Outer saved-tensor hooks] in
+    tba/cache/hook_stack.py)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# Note [register_hooks on a saved tensor]: ``grad_fn._raw_saved_<name>`` is a
+# ``torch._C._autograd.SavedTensor``; its ``register_hooks(pack, unpack)`` sets a hook pair on
+# that one saved tensor and raises a RuntimeError that names neither tba nor a fix when the
+# tensor already has a pair, which it does whenever it was saved while default hooks (tba's)
+# were active. While a tensor cache exists (the first cache wraps the method, the last one to
+# close or be collected puts the original back; importing tba changes nothing) tba turns that
+# error into a TBAError when tba's own hooks packed the tensor. Checked against torch 2.13.
+_saved_tensor_register_hooks: Any = None  # the original method while wrapped
+
+
+def wrap_saved_tensor_register_hooks(translate: Any) -> None:
+    """Replace ``SavedTensor.register_hooks`` by a wrapper that calls the original and, on a
+    RuntimeError, raises ``translate(error)`` instead when that returns an exception. Idempotent."""
+    global _saved_tensor_register_hooks
+    cls = torch._C._autograd.SavedTensor
+    if _saved_tensor_register_hooks is not None:
+        return
+    original = cls.register_hooks
+
+    def register_hooks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except RuntimeError as error:
+            better = translate(error)
+            if better is None:
+                raise
+            raise better from error
+
+    register_hooks.__doc__ = original.__doc__
+    register_hooks._tba_wrapper = True  # type: ignore[attr-defined]
+    _saved_tensor_register_hooks = original
+    cls.register_hooks = register_hooks
+
+
+def unwrap_saved_tensor_register_hooks() -> None:
+    """Put the original ``SavedTensor.register_hooks`` back. Idempotent."""
+    global _saved_tensor_register_hooks
+    original, _saved_tensor_register_hooks = _saved_tensor_register_hooks, None
+    if original is not None:
+        torch._C._autograd.SavedTensor.register_hooks = original

@@ -21,7 +21,9 @@ from tba import _torch_compat as compat
 from tba.cache import interrupts
 from tba.cache.engine import Engine
 from tba.cache.forward_state import on_stack, torch_caller
+from tba.cache.hook_stack import ChainedHooks, hooks_for_forward
 from tba.cache.module_hook import ModuleHook
+from tba.cache.run_order import RunOrder
 from tba.cache.saving import SavedTensors
 from tba.cache.scopes import Unit, matches
 from tba.cache.steps import Steps
@@ -49,6 +51,7 @@ class CacheHooks:
         tracker: StepTracker,
         saved: SavedTensors,
         steps: Steps,
+        run_order: RunOrder,
     ) -> None:
         self.owner = owner
         self.config = config
@@ -57,6 +60,7 @@ class CacheHooks:
         self.tracker = tracker
         self.saved = saved
         self.steps = steps
+        self.run_order = run_order
         self._handles: list[Any] = []
         # While set, forwards enter this pack hook instead of ``saved.pack`` (a wrapper that
         # samples what is saved, Note [Loud when it does nothing]); told when a forward runs
@@ -64,6 +68,7 @@ class CacheHooks:
         self.sampled_pack: Any = None
         self.watch_pack: Any = None  # tba.testing.probe(cache).watch_saves()
         self.on_forward_skipped: Any = None
+        self.on_outer_passed: Any = None  # told when the script's own pack keeps a save
         self._traced_at_start = compat.num_traced_hooks  # Note [tba under torch.compile]
         self._warned_compiled = False
         self._install(model)
@@ -77,14 +82,18 @@ class CacheHooks:
         compat.keep_dynamo_out(
             compat.call_outside_compile, ModuleHook.__call__, SavedTensors.pack,
             SavedTensors.unpack, StepTracker._grad_fn_entered, StepTracker._backward_ended_hook,
+            ChainedHooks.pack, ChainedHooks.unpack,
         )
-        add(model.register_forward_pre_hook(ModuleHook(self._root_pre)))
+        add(model.register_forward_pre_hook(ModuleHook(self._root_pre), with_kwargs=True))
         add(model.register_forward_hook(ModuleHook(self._root_post), always_call=True))
         for unit in self.units:
             pre = ModuleHook(functools.partial(self._unit_pre, unit))
             post = ModuleHook(functools.partial(self._unit_post, unit))
             add(unit.module.register_forward_pre_hook(pre))
-            add(unit.module.register_forward_hook(post, always_call=True))
+            # The model itself as its only unit (it has no submodules): its unit ends before
+            # its forward does.
+            add(unit.module.register_forward_hook(post, always_call=True,
+                                                  prepend=unit.module is model))
         skip = self.config.skip_modules
         for name, module in model.named_modules():
             if name and matches(module, name, skip):
@@ -122,13 +131,11 @@ class CacheHooks:
         for handle in handles:
             handle.remove()
         state = self.tracker.local
-        ctx, state.ctx, state.depth = state.ctx, None, 0
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        state.leave_hooks()
         state.forward.end()
 
     # ------------------------------------------------------------------ module hooks
-    def _root_pre(self, module: nn.Module, args: Any) -> None:
+    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled() or compat.in_backward():
             if self.on_forward_skipped is not None:
                 self.on_forward_skipped(compat.in_backward())
@@ -147,13 +154,14 @@ class CacheHooks:
             if state.depth and not on_stack(state.caller_id, caller):
                 tracker.abandon_forward(state)  # Note [Interrupted forwards]
             if not state.depth:
-                self._begin_forward(module, args, caller)
+                self._begin_forward(module, (args, kwargs), caller)
             state.depth += 1
         if interrupts.pending:
             interrupts.raise_pending()
 
-    def _begin_forward(self, model: nn.Module, args: Any, caller: Any) -> None:
-        """This thread's outermost forward of the model begins (lock held)."""
+    def _begin_forward(self, model: nn.Module, inputs: Any, caller: Any) -> None:
+        """This thread's outermost forward of the model begins (lock held); ``inputs`` are its
+        positional and keyword arguments."""
         state, saved, steps = self.tracker.local, self.saved, self.steps
         saved.param_ptrs = frozenset(
             compat.local_tensor(t).untyped_storage().data_ptr()
@@ -161,13 +169,18 @@ class CacheHooks:
             if not compat.is_functorch_wrapped(t)  # torch.func.functional_call's stand-ins
         )
         _, opened = self.tracker.begin_forward()
-        steps.begin_forward(args, opened)
+        profile = steps.profile
+        steps.begin_forward(inputs, opened)
+        if steps.profile is not profile and steps.profile is not None:
+            self.run_order.start()  # Note [Blocks in run order]: observed again with each profile
         saved.profile = steps.profile
         if compat.capturing():  # once per forward: a capture does not start inside one
             pack = saved.captured  # Note [CUDA-graph capture]
         else:
             pack = self.watch_pack or self.sampled_pack or saved.pack
-        ctx = torch.autograd.graph.saved_tensors_hooks(pack, saved.unpack)
+        # Note [Outer saved-tensor hooks]: chained to the script's pair, if any.
+        pack, unpack = hooks_for_forward(pack, saved, self.on_outer_passed)
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         ctx.__enter__()
         state.ctx, state.caller_id, state.epoch = ctx, id(caller), interrupts.interrupt_count
 
@@ -179,9 +192,10 @@ class CacheHooks:
         with engine.lock:
             state.depth -= 1
             if state.depth <= 0:
-                ctx, state.ctx, state.depth = state.ctx, None, 0
-                ctx.__exit__(None, None, None)
+                state.leave_hooks()
                 self.steps.end_forward()
+                if self.run_order.observing:
+                    self.run_order.finish(self.steps.profile)
                 self.tracker.end_forward(state)
                 if engine.released:
                     engine._drain_locked()
@@ -194,6 +208,8 @@ class CacheHooks:
         if state.ctx is None or compat.in_backward():
             return
         state.forward.enter(unit, self.tracker.boundary.tail_start)
+        if self.run_order.observing:
+            self.run_order.saw(unit)
         profile = self.steps.profile
         if profile is not None and unit.block_index is not None:
             profile.start(unit.block_index)
@@ -217,9 +233,15 @@ class CacheHooks:
     def _skip_pre(self, module: nn.Module, args: Any) -> None:
         state = self.tracker.local
         if state.ctx is not None and not compat.in_backward():
-            state.forward.skip_depth += 1
+            with self.engine.lock:  # the stack and ``state.aside`` change together
+                state.enter_skipped()  # Note [Stepping aside]
+            if interrupts.pending:
+                interrupts.raise_pending()
 
     def _skip_post(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self.tracker.local
-        if state.ctx is not None and not compat.in_backward() and state.forward.skip_depth:
-            state.forward.skip_depth -= 1
+        if state.ctx is not None and not compat.in_backward():
+            with self.engine.lock:
+                state.leave_skipped()
+            if interrupts.pending:
+                interrupts.raise_pending()

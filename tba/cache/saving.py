@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _TENSOR = torch.Tensor
 _STRIDED = torch.strided
+_PARAMETER = torch.nn.Parameter
 
 
 # Note [Parameters are never offloaded]: a parameter's bytes are held by its module anyway:
@@ -36,9 +37,37 @@ _STRIDED = torch.strided
 # block's parameters into fresh storages inside the forward (after the root pre-hook took
 # ``param_ptrs``) and, with ``reshard_after_forward=True``, frees them with
 # ``storage.resize_(0)`` after the block, while a queued store could still be reading them.
-# Autograd saves a parameter itself (a leaf that requires grad) or a view of it (``linear``
-# saves ``weight.t()``, whose ``_base`` is the parameter): both are left to autograd.
-# ``param_ptrs`` covers DTensor shards and buffers. Tested by tests/integrations/test_fsdp.py.
+# Autograd saves a parameter itself or a view of it (``linear`` saves ``weight.t()``, whose
+# ``_base`` is the parameter): both are left to autograd, for a parameter of any module
+# (an outer module's frozen weight passed into the configured one too), trainable or frozen:
+# a leaf that requires grad, or an ``nn.Parameter`` (a frozen one requires no grad: its type,
+# or ``_is_param`` for parameters of tensor subclasses, says what it is). ``param_ptrs``
+# covers the configured model's parameters and buffers by storage (DTensor shards, tied and
+# flat parameters, tensors sharing their bytes). Tested by tests/cache/test_parameters.py and
+# tests/integrations/test_fsdp.py.
+
+
+# Note [What tba manages]: the pack hook takes (may offload) a plain ``torch.Tensor`` on a
+# device of ``offload_devices``, strided, without a lazy conjugate or negative bit, neither
+# nested (strided layout) nor quantized, not a parameter nor a view of one, whose storage has
+# bytes of its own (a readable, nonzero address), and the inner tensors of DTensors, jagged
+# nested tensors and float8 tensors (Note [Subclasses with pending work]). Everything else goes
+# back to autograd as it is, with its version at pack: sparse and other layouts, strided nested
+# (a buffer with per-component sizes a strided view cannot restore), quantized (``set_`` has no
+# quantized kernel), conjugate/negative views (the bit is lost on a view of the storage),
+# efficient zero tensors (forward AD's tangents of tensors without one: their storage raises on
+# ``data_ptr()``), meta and empty tensors (address 0), other subclasses, torch.func wrappers. A
+# forward-AD dual tensor's primal is managed: autograd saves its tangent apart from what the
+# pack hook returns and attaches it again at unpack. The checks are ordered so that the common
+# plain tensor pays one read per property and no call that can raise; the rare kinds cost more.
+# Tested by tests/cache/test_saved_kinds.py.
+
+
+def _is_parameter_tensor(tensor: torch.Tensor) -> bool:
+    """A leaf that requires grad or an ``nn.Parameter`` (not a view of one)."""
+    return tensor.is_leaf and (
+        tensor.requires_grad or type(tensor) is _PARAMETER or getattr(tensor, "_is_param", False)
+    )
 
 
 class SavedTensors:
@@ -99,23 +128,29 @@ class SavedTensors:
             or tensor.layout is not _STRIDED
             or tensor.is_conj()
             or tensor.is_neg()
+            or tensor.is_nested
+            or tensor.is_quantized
         ):
             # Parameters and tensors tba does not manage stay with autograd, with their
-            # version at pack (Note [Saved-version check]).
+            # version at pack (Note [Saved-version check]): Note [What tba manages].
             return (tensor, tensor._version)
         base = tensor._base
         if base is None:
             root = tensor
-        elif base.requires_grad and base.is_leaf:
+        elif base.is_leaf and (
+            base.requires_grad or type(base) is _PARAMETER or getattr(base, "_is_param", False)
+        ):
             return (tensor, tensor._version)  # Note [Parameters are never offloaded]
         else:
             root = base
         try:
             storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
         except NotImplementedError:  # torch.func wrappers (vmap inside a forward)
             self._functorch_note()
             return (tensor, tensor._version)
-        ptr = storage.data_ptr()
+        except RuntimeError:  # no readable storage: efficient zero tensors (forward AD)
+            return (tensor, tensor._version)
         if ptr == 0 or ptr in self.param_ptrs:
             return (tensor, tensor._version)
         state = self.tracker.local
@@ -139,6 +174,19 @@ class SavedTensors:
         if interrupts.pending:
             interrupts.raise_pending()
         return handle
+
+    def is_parameter(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a parameter of any module, a view of one, or on the storage
+        of one of the configured model's parameters or buffers (Note [Parameters are never
+        offloaded]; for saves that reach tba through the script's own pack hook)."""
+        base = tensor._base
+        if _is_parameter_tensor(tensor) or (base is not None and _is_parameter_tensor(base)):
+            return True
+        try:
+            ptr = compat.local_tensor(tensor).untyped_storage().data_ptr()
+        except (NotImplementedError, RuntimeError):
+            return False
+        return ptr != 0 and ptr in self.param_ptrs
 
     def _abandoned(self, state: Any) -> bool:
         """Note [Interrupted forwards]: a KeyboardInterrupt was raised since this thread's
@@ -188,8 +236,8 @@ class SavedTensors:
         holds, rebuild it on unpack through the subclass's flatten/unflatten protocol. Inner
         tensors that stay in memory come back as the very same objects (a jagged tensor's
         offsets identify its ragged dimension: they are never replaced)."""
-        if tensor.requires_grad and tensor.is_leaf:
-            return (tensor, tensor._version)  # a parameter
+        if _is_parameter_tensor(tensor):
+            return (tensor, tensor._version)  # Note [Parameters are never offloaded]
         if not offloadable_subclass(type(tensor)):
             self._note_unsafe_subclass(type(tensor))
             return (tensor, tensor._version)

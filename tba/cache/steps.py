@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -84,15 +84,16 @@ class Steps:
             else None
         )
 
-    def begin_forward(self, args: Any, opened: bool) -> None:
-        """A forward of the model starts (``opened``: it opened a step): profile it if due."""
+    def begin_forward(self, inputs: Any, opened: bool) -> None:
+        """A forward of the model starts (``opened``: it opened a step) with ``inputs`` (its
+        positional and keyword arguments): profile it if due."""
         if opened:
             if self.clock is None:
                 self.clock = default_clock(self._on_cuda())
             self._step_start = self.clock.mark() if self.loop is not None else None
         self._num_forwards += 1
         if self._deciding:
-            self._check_signature(args)
+            self._check_signature(inputs)
         due = self._profile_due
         if self.profile is None and due is not None and self._num_done + 1 >= due:
             self._boundary.set(self._boundary.default_tail_start)
@@ -267,20 +268,23 @@ class Steps:
             stacklevel=1,
         )
 
-    def _check_signature(self, args: Any) -> None:
-        signature = tuple(tuple(t.shape) for t in tensors_in(args))
+    def _check_signature(self, inputs: Any) -> None:
+        """Re-profile when the shapes of the tensors in ``inputs`` change: positional and
+        keyword arguments alike, nested in tuples, lists and dicts (``model(**batch)``)."""
+        signature = tuple(tuple(t.shape) for t in tensors_in(inputs, max_depth=6))
         if self._signature is not None and signature != self._signature and self._boundary.decision:
             self._reprofile(f"input shapes changed ({self._signature} -> {signature})")
         self._signature = signature
 
 
-def tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors in a module's output or arguments (tuples, lists and dicts, 3 levels deep)."""
+def tensors_in(output: Any, depth: int = 0, max_depth: int = 3) -> Iterator[torch.Tensor]:
+    """Tensors in a module's output or arguments (tuples, lists and mappings, ``max_depth``
+    levels deep)."""
     if isinstance(output, torch.Tensor):
         yield output
-    elif depth < 3 and isinstance(output, (tuple, list)):
+    elif depth < max_depth and isinstance(output, (tuple, list)):
         for item in output:
-            yield from tensors_in(item, depth + 1)
-    elif depth < 3 and isinstance(output, dict):
+            yield from tensors_in(item, depth + 1, max_depth)
+    elif depth < max_depth and isinstance(output, Mapping):
         for item in output.values():
-            yield from tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1, max_depth)

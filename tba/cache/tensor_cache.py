@@ -29,10 +29,12 @@ from collections.abc import Callable
 from torch import nn
 
 from tba import _env
+from tba.cache import hook_stack
 from tba.cache.diagnose import NoOffloadDiagnosis
 from tba.cache.engine import Engine
 from tba.cache.hooks import CacheHooks
 from tba.cache.policy import Boundary, BoundaryDecision
+from tba.cache.run_order import RunOrder
 from tba.cache.saving import SavedTensors
 from tba.cache.scopes import Unit, find_units
 from tba.cache.stages import StageHint
@@ -64,6 +66,7 @@ def _store_wait_s(engine: Engine) -> float:
 def _shutdown(engine: Engine, tracker: StepTracker, saved: SavedTensors, offloader: Offloader | None) -> None:
     """Stop the workers and release the offloader of a cache that was closed or collected."""
     saved.closed = True
+    hook_stack.detach()  # Note [register_hooks on a saved tensor]
     with engine.lock:
         tracker.close()
     engine.close()
@@ -108,11 +111,30 @@ class TensorCache:
         )
         self.units: list[Unit] = find_units(model, config.block_modules)
         self.num_blocks = sum(u.block_index is not None for u in self.units)
+        blocks_note = None
         if self.num_blocks == 0:
-            # No repeated blocks: the root's children take their place in forward order.
+            # No repeated blocks: the root's children take their place (in the order they
+            # run: Note [Blocks in run order]); a model without children is its one block.
+            if not self.units:
+                self.units = [Unit(model, "", 0)]
+                blocks_note = (
+                    f"{type(model).__name__} has no submodules, so its whole forward is one "
+                    "block (give the model submodules for its stages and name them with "
+                    "block_modules= to offload all but the last ones, or pass "
+                    "keep_last_modules=0 to offload every save of its forward)"
+                )
+            else:
+                blocks_note = (
+                    f"no repeated blocks were found in {type(model).__name__} (no "
+                    f"nn.ModuleList of blocks), so its {len(self.units)} child modules are the "
+                    "blocks (name finer blocks with block_modules=, e.g. "
+                    "block_modules=(MyBlock,) or block_modules=('encoder.layer*',), or lower "
+                    "keep_last_modules)"
+                )
             for index, unit in enumerate(self.units):
                 unit.block_index = index
             self.num_blocks = len(self.units)
+        self._run_order = RunOrder(self.units)
         self.boundary = Boundary(self.num_blocks, config.keep_last_modules)
         self._steps = Steps(
             config, self.boundary, offloader, functools.partial(_on_cuda, self._model),
@@ -136,14 +158,18 @@ class TensorCache:
         self._check = _env.check_invariants()
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
+        hook_stack.attach()  # undone by _shutdown
         self._finalizer = weakref.finalize(self, _shutdown, engine, tracker, self._saved, offloader)
-        hooks = CacheHooks(self, model, config, self.units, engine, tracker, self._saved, self._steps)
+        hooks = CacheHooks(self, model, config, self.units, engine, tracker, self._saved,
+                           self._steps, self._run_order)
         self._hooks = weakref.ref(hooks)  # the model holds them (and through them, this cache)
         # Note [Loud when it does nothing]
-        self._diagnosis = NoOffloadDiagnosis(config, self.boundary, offloader is not None)
+        self._diagnosis = NoOffloadDiagnosis(config, self.boundary, offloader is not None,
+                                             blocks_note)
         if self._diagnosis.sampling:
             hooks.sampled_pack = self._diagnosis.wrap(self._saved.pack)
             hooks.on_forward_skipped = self._diagnosis.forward_skipped
+            hooks.on_outer_passed = self._diagnosis.outer_passed
 
     # ------------------------------------------------------------------ public API
     @property
@@ -302,9 +328,10 @@ class TensorCache:
         hooks = self._hooks()
         diagnosis = self._diagnosis
         if diagnosis.warning is None:
-            diagnosis.step_finished(step, self._steps.total.num_steps)
+            diagnosis.step_finished(step, self._steps.total.num_steps,
+                                    self._run_order.take_renumbered())
             if not diagnosis.sampling and hooks is not None:
-                hooks.sampled_pack = None
+                hooks.sampled_pack = hooks.on_outer_passed = None
         engine.trace.end_step()
         if hooks is not None:
             hooks.note_compile()

@@ -133,9 +133,7 @@ class StepTracker:
     def abandon_forward(self, state: ThreadState) -> None:
         """Close this thread's forward that an interrupt ended (Note [Interrupted forwards])."""
         logger.info("tba: the previous forward on this thread was interrupted; closing it")
-        ctx, state.ctx, state.depth = state.ctx, None, 0
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        state.leave_hooks()
         if self.on_forward_end is not None:
             self.on_forward_end()
         self.end_forward(state)

@@ -74,7 +74,7 @@ class SaveView:
     """One tensor autograd handed to tba's pack hook, and what tba did with it."""
 
     tensor_type: str
-    managed: bool  # tba took it (a handle), else left to autograd
+    managed: bool  # tba took it (a handle; of a wrapper subclass: inner tensors), or autograd
     new_entry: bool
     offloaded: bool  # the entry is marked for offload
     nbytes: int  # the entry's storage bytes (0 when not managed)
@@ -211,7 +211,9 @@ class CacheProbe:
 
     @property
     def saved_tensor_hooks(self) -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]:
-        """The (pack, unpack) pair each forward of the model enters."""
+        """tba's (pack, unpack) pair: what each forward of the model enters, unless the script
+        has saved-tensor hooks of its own around the forward (then a chain from them to this
+        pair: Note [Outer saved-tensor hooks])."""
         saved = self._cache._saved
         return saved.pack, saved.unpack
 
@@ -223,6 +225,7 @@ class CacheProbe:
         saved and what tba did with it); yields the list it fills. ``on_save`` is called after
         each save, inside the pack hook (a test may wait there, e.g. for the store)."""
         from tba.cache.engine import Handle
+        from tba.cache.packed import PackedSubclass
 
         cache = self._cache
         hooks = cache._hooks()
@@ -233,8 +236,8 @@ class CacheProbe:
         def watching_pack(tensor: torch.Tensor) -> Any:
             before = cache._engine.table.num_entries
             packed = (hooks.sampled_pack or cache._saved.pack)(tensor)
-            managed = type(packed) is Handle
-            entry = packed.entry if managed else None
+            managed = type(packed) is Handle or type(packed) is PackedSubclass
+            entry = packed.entry if type(packed) is Handle else None
             units = tuple(u[0].name for u in forward.forward.units)
             view = SaveView(
                 tensor_type=type(tensor).__name__, managed=managed,
