@@ -41,6 +41,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class PackedItems:
 
     __slots__ = ("cls", "items")
 
-    def __init__(self, cls: type, items: list) -> None:
+    def __init__(self, cls: type[tuple[Any, ...]] | type[list[Any]], items: list[Any]) -> None:
         self.cls, self.items = cls, items
 
 
@@ -215,7 +216,7 @@ def _register_hooks_error(error: RuntimeError) -> TBAError | None:
 
 def _calling_module() -> nn.Module | None:
     """The innermost module whose code called register_hooks (from the stack)."""
-    frame = sys._getframe(3)
+    frame: FrameType | None = sys._getframe(3)
     for _ in range(32):
         if frame is None:
             return None

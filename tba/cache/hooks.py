@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import itertools
 import warnings
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -159,7 +161,7 @@ class CacheHooks:
         if interrupts.pending:
             interrupts.raise_pending()
 
-    def _begin_forward(self, model: nn.Module, inputs: Any, caller: Any) -> None:
+    def _begin_forward(self, model: nn.Module, inputs: Any, caller: FrameType | None) -> None:
         """This thread's outermost forward of the model begins (lock held); ``inputs`` are its
         positional and keyword arguments."""
         state, saved, steps = self.tracker.local, self.saved, self.steps
@@ -174,6 +176,7 @@ class CacheHooks:
         if steps.profile is not profile and steps.profile is not None:
             self.run_order.start()  # Note [Blocks in run order]: observed again with each profile
         saved.profile = steps.profile
+        pack: Callable[[torch.Tensor], Any]  # returns what the unpack hook takes (arbitrary)
         if compat.capturing():  # once per forward: a capture does not start inside one
             pack = saved.captured  # Note [CUDA-graph capture]
         else:

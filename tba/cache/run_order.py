@@ -40,7 +40,7 @@ class RunOrder:
 
     def __init__(self, units: list[Unit]) -> None:
         self.blocks = sorted((u for u in units if u.block_index is not None),
-                             key=lambda u: u.block_index)
+                             key=lambda u: u.block_index or 0)  # never None here
         self.observing = bool(self.blocks)
         self._seen: list[Unit] = []
         self._seen_ids: set[int] = set()

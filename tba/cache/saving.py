@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -199,7 +199,7 @@ class SavedTensors:
             self.tracker.abandon_forward(state)
         return True
 
-    def captured(self, tensor: torch.Tensor) -> tuple:
+    def captured(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Note [CUDA-graph capture]: a save during capture happens once, at capture time,
         while the graph's replays reuse the same memory; events recorded and transfers queued
         now would belong to the capture, and a worker's synchronisation or allocation would
@@ -261,6 +261,9 @@ class SavedTensors:
 
     # ------------------------------------------------------------------ unpack
     def unpack(self, packed: Any) -> torch.Tensor:
+        # ``packed``: what ``pack`` returned (dispatched on its exact type, for speed).
+        tensor: torch.Tensor
+        storage: torch.UntypedStorage | None
         cls = type(packed)
         if cls is tuple:
             tensor, version = packed
@@ -270,9 +273,11 @@ class SavedTensors:
         if cls is PackedSubclass:
             inner = {name: self.unpack(p) if type(p) in (Handle, PackedSubclass, tuple) else p
                      for name, p in packed.inner.items()}
-            return packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
+            tensor = packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
+            return tensor
         if cls is not Handle:
-            return packed
+            tensor = packed
+            return tensor
         engine = self.engine
         if engine.error is not None:
             engine.raise_pending()
@@ -318,7 +323,7 @@ class SavedTensors:
             interrupts.raise_pending()
         return tensor
 
-    def _raise_modified(self, packed: Handle) -> None:
+    def _raise_modified(self, packed: Handle) -> NoReturn:
         entry = packed.entry
         dtype, size, _, _ = packed.geometry or entry.remember_geometry()
         alias = entry.alias

@@ -45,7 +45,11 @@ class Unit:
         return f"Unit({self.name!r}, block_index={self.block_index})"
 
 
-def matches(module: nn.Module, name: str, specs: tuple) -> bool:
+#: Names a module: the instance, its type, or an ``fnmatch`` pattern of its qualified name.
+ModuleSpec = nn.Module | type[nn.Module] | str
+
+
+def matches(module: nn.Module, name: str, specs: tuple[ModuleSpec, ...]) -> bool:
     """Whether ``module`` (qualified ``name``) is named by ``specs``: instances, types, or
     ``fnmatch`` patterns of qualified names."""
     for spec in specs:
@@ -86,7 +90,7 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def find_units(model: nn.Module, block_specs: tuple | None) -> list[Unit]:
+def find_units(model: nn.Module, block_specs: tuple[ModuleSpec, ...] | None) -> list[Unit]:
     """The units of ``model``: blocks first (in order), then the modules around them.
 
     Raises:
@@ -176,7 +180,8 @@ class ForwardPass:
 
     def __init__(self) -> None:
         self.record: Record | None = None
-        self.units: list[list] = []  # [unit, scope or None, keep]
+        # [unit, scope or None, keep] per unit entered: a list (not an object) read per save.
+        self.units: list[list[Any]] = []
         self.skip_depth = 0
         self._loose_scope: Scope | None = None  # tensors saved outside every unit
 
@@ -209,10 +214,11 @@ class ForwardPass:
         assert record is not None
         if self.units:
             top = self.units[-1]
-            if top[1] is None:
-                top[1] = Scope(record, len(record.scopes), top[0], top[2])
-                record.scopes.append(top[1])
-            return top[1]
+            scope: Scope | None = top[1]
+            if scope is None:
+                scope = top[1] = Scope(record, len(record.scopes), top[0], top[2])
+                record.scopes.append(scope)
+            return scope
         if self._loose_scope is None:
             self._loose_scope = Scope(record, len(record.scopes), None, record.in_tail)
             record.scopes.append(self._loose_scope)

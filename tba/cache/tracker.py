@@ -78,7 +78,8 @@ class StepTracker:
         self._prefetch = prefetch
         self._on_step_end = on_step_end
         self.local = ThreadState()
-        self.records: dict[tuple, Record] = {}
+        # By record key (stage, microbatch); a detached record's backward by ("bwd", seq).
+        self.records: dict[tuple[int, int] | tuple[str, int], Record] = {}
         self.open = False
         self.num_active = 0  # forwards running, all threads
         self.num_forwards = 0  # forwards in the running step

@@ -26,7 +26,7 @@ import torch
 
 from tba.cache import interrupts
 from tba.cache.engine.accounting import EngineAccounting
-from tba.cache.engine.entries import Entry, Handle, HandleRef, Transfer
+from tba.cache.engine.entries import Entry, Geometry, Handle, HandleRef, Transfer
 from tba.cache.engine.states import DROP_KEPT_ROW, HOLDS_DATA, KEEP_ROW, ROWS, Event, State
 from tba.cache.engine.table import FAMILY_ATTR, STAMP_ATTR, next_stamp
 from tba.cache.engine.table import EntryTable
@@ -188,7 +188,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             while True:
                 entry, other_family = table.find(stamp, family, version)
                 if entry is not None:
-                    geometry: tuple | None = (
+                    geometry: Geometry | None = (
                         tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
                     )
                     if scope.keep and entry.xfer is not None:

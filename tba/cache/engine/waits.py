@@ -7,14 +7,23 @@ waited for when the workers are dead, the engine is closed, or no transfer finis
 
 from __future__ import annotations
 
+import collections
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tba.cache.engine.entries import Entry, Transfer
+from tba.cache.engine.entries import Entry, HandleRef, Transfer
 from tba.cache.engine.states import State
 from tba.errors import TBAError
+
+if TYPE_CHECKING:
+    import threading
+
+    from tba.cache.engine.table import EntryTable
+    from tba.cache.stats import CacheStats
+    from tba.cache.trace import TraceRecorder
+    from tba.offloaders.base import Offloader
 
 __all__ = ["EngineWaits", "POLL_S"]
 
@@ -26,25 +35,26 @@ S = State
 class EngineWaits:
     """The waiting and error-raising methods of ``Engine``."""
 
-    lock: Any
-    cond: Any
-    _store_ready: Any
+    lock: threading.RLock
+    cond: threading.Condition
+    _store_ready: threading.Condition
     _num_waiting: int
     _max_inflight_bytes: int
     _keep_on_error: bool
     _warned_load_retry: bool
     _unwoken_bytes: int
     _reserve_bytes: int
-    _load_q: Any
+    _load_q: collections.deque[Entry]
     _progress: int
-    _start_workers: Any
-    _load_ready: Any
-    _drain_locked: Any
-    offloader: Any
-    trace: Any
-    step: Any
-    table: Any
+    _start_workers: Callable[[], None]
+    _load_ready: threading.Condition
+    _drain_locked: Callable[[], None]
+    offloader: Offloader | None
+    trace: TraceRecorder
+    step: CacheStats
+    table: EntryTable
     orphans: set[Entry]
+    released: collections.deque[HandleRef]
     inflight_bytes: int
     closed: bool
     timeout_s: float

@@ -6,11 +6,13 @@ queues and state machine; every state change goes through ``Engine._apply``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +23,11 @@ from tba.cache.profiler_ranges import transfer_range
 from tba.cache.streams import PAGE_BYTES
 from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
+
+if TYPE_CHECKING:
+    from tba.cache.stats import CacheStats
+    from tba.cache.streams import StreamLayer
+    from tba.cache.trace import TraceRecorder
 
 __all__ = ["INLINE_MAX_BYTES", "TransferWorkers"]
 
@@ -66,12 +73,12 @@ def _offloader_error(offloader: Any, what: str, nbytes: int, exc: BaseException)
 class TransferWorkers:
     """Transfer-running methods of ``Engine`` (a mixin: state lives in ``Engine``)."""
 
-    lock: Any
-    cond: Any
-    _store_ready: Any
-    _load_ready: Any
-    _store_q: Any
-    _load_q: Any
+    lock: threading.RLock
+    cond: threading.Condition
+    _store_ready: threading.Condition
+    _load_ready: threading.Condition
+    _store_q: collections.deque[Entry]
+    _load_q: collections.deque[Entry]
     _threads: list[threading.Thread]
     _num_threads: dict[str, int]
     _stopping: bool
@@ -80,19 +87,22 @@ class TransferWorkers:
     timeout_s: float
     _warned_keep: bool
     _warned_resized: bool
+    # An Offloader: the workers run only with one (the Engine's is None for offloader="none",
+    # so a precise type would need a None check per transfer here).
     offloader: Any
-    streams: Any
-    trace: Any
-    step: Any
+    streams: StreamLayer
+    trace: TraceRecorder
+    step: CacheStats
+    # ``offloader.store_now`` (returns a token or None), or None: the inline path checks first.
     _store_now: Any
     error: BaseException | None
     dead: TBAError | None
     raised_this_step: bool
     orphans: set[Entry]
-    _apply: Any
-    _notify_done: Any
-    _notify_everyone: Any
-    _release_token: Any
+    _apply: Callable[[Entry, Event], State]
+    _notify_done: Callable[[], None]
+    _notify_everyone: Callable[[], None]
+    _release_token: Callable[[Transfer], None]
 
     # ----------------------------------------------------------------- threads
     def _start_workers(self) -> None:
@@ -182,6 +192,9 @@ class TransferWorkers:
             release_alias(alias)
 
     def _store_worker(self) -> None:
+        entry: Entry | None  # None between jobs: Note [Workers hold nothing]
+        storage: torch.UntypedStorage | None
+        xfer: Transfer | None
         while True:
             with self.lock:
                 while not self._stopping and (not self._store_q or self._load_q):
@@ -208,7 +221,7 @@ class TransferWorkers:
             self._run_store(entry, storage, xfer)
             # Note [Workers hold nothing]: a finished job's locals would keep the entry, its
             # scope and the storage alive while the worker idles.
-            entry = storage = xfer = None  # type: ignore[assignment]
+            entry = storage = xfer = None
 
     def _run_store(self, entry: Entry, storage: Any, xfer: Transfer) -> None:
         """On a store worker, no lock held, the entry STORING: copy ``storage`` out."""
@@ -319,6 +332,8 @@ class TransferWorkers:
 
     # ----------------------------------------------------------------- loads
     def _load_worker(self) -> None:
+        entry: Entry | None  # None between jobs: Note [Workers hold nothing]
+        xfer: Transfer | None
         while True:
             with self.lock:
                 while not self._stopping and not self._load_q:
