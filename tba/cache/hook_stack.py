@@ -129,7 +129,7 @@ class ChainedHooks:
         return self.outer_unpack(packed)
 
 
-def _owner(unpack: Any) -> Any:
+def _owner(unpack: Callable[[Any], torch.Tensor]) -> SavedTensors | ChainedHooks | None:
     """The tba object whose method ``unpack`` is, or None for the script's own hooks."""
     owner = getattr(unpack, "__self__", None)
     return owner if isinstance(owner, (SavedTensors, ChainedHooks)) else None
@@ -149,7 +149,7 @@ def hooks_for_forward(
     return chained.pack, chained.unpack
 
 
-def outer_pair() -> tuple[Any, Any] | None:
+def outer_pair() -> tuple[compat.PackHook, compat.UnpackHook] | None:
     """The script's pair that a forward beginning now must chain to, or None (no hooks, or
     tba's own plain pair on top). Once per forward: Note [Outer saved-tensor hooks]."""
     top = compat.top_saved_tensors_hooks()

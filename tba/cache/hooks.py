@@ -14,7 +14,7 @@ import itertools
 import warnings
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,11 @@ from tba.cache.steps import Steps
 from tba.cache.tracker import StepTracker
 from tba.config import TensorCacheConfig
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from tba.cache.tensor_cache import TensorCache
+
 __all__ = ["CacheHooks"]
 
 
@@ -45,7 +50,7 @@ class CacheHooks:
 
     def __init__(
         self,
-        owner: Any,
+        owner: TensorCache,
         model: nn.Module,
         config: TensorCacheConfig,
         units: list[Unit],
@@ -63,14 +68,15 @@ class CacheHooks:
         self.saved = saved
         self.steps = steps
         self.run_order = run_order
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         # While set, forwards enter this pack hook instead of ``saved.pack`` (a wrapper that
         # samples what is saved, Note [Loud when it does nothing]); told when a forward runs
         # without grad.
-        self.sampled_pack: Any = None
-        self.watch_pack: Any = None  # tba.testing.probe(cache).watch_saves()
-        self.on_forward_skipped: Any = None
-        self.on_outer_passed: Any = None  # told when the script's own pack keeps a save
+        self.sampled_pack: Callable[[torch.Tensor], Any] | None = None
+        self.watch_pack: Callable[[torch.Tensor], Any] | None = None  # probe(cache).watch_saves()
+        self.on_forward_skipped: Callable[[bool], object] | None = None
+        # Told when the script's own pack keeps a save (the arbitrary thing it returned).
+        self.on_outer_passed: Callable[[Any], None] | None = None  # told when the script's own pack keeps a save
         self._traced_at_start = compat.num_traced_hooks  # Note [tba under torch.compile]
         self._warned_compiled = False
         self._install(model)

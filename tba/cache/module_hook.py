@@ -29,7 +29,7 @@ class ModuleHook:
 
     __slots__ = ("fn",)
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -22,9 +22,12 @@ is run order already. Tested by tests/cache/test_run_order.py.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tba.cache.scopes import Unit
+
+if TYPE_CHECKING:
+    from tba.cache.profile import StepProfile
 
 __all__ = ["RunOrder"]
 
@@ -63,7 +66,7 @@ class RunOrder:
             self._seen_ids.add(id(unit))
             self._seen.append(unit)
 
-    def finish(self, profile: Any) -> None:
+    def finish(self, profile: StepProfile | None) -> None:
         """The observed forward ended: number the blocks in the order they ran, and the
         figures ``profile`` (a StepProfile, or None) took so far with them. A forward in which
         no block ran leaves observing on for the next."""

@@ -11,17 +11,20 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from tba import _torch_compat as compat
 from tba.cache import interrupts
 from tba.cache.engine import Engine, Handle
-from tba.cache.forward_state import on_stack
+from tba.cache.forward_state import ThreadState, on_stack
 from tba.cache.packed import NESTED_TYPE_NAME, PackedSubclass, modified_error, offloadable_subclass
 from tba.cache.tracker import StepTracker
 from tba.errors import TBAError
+
+if TYPE_CHECKING:
+    from tba.cache.profile import StepProfile
 
 __all__ = ["SavedTensors"]
 
@@ -98,7 +101,7 @@ class SavedTensors:
         self._offloading = offloading
         self._min_offload_bytes = min_offload_bytes
         self.param_ptrs: frozenset[int] = frozenset()
-        self.profile: Any = None  # the step profile while one is taken (tba/cache/profile.py)
+        self.profile: StepProfile | None = None  # while a step profile is taken
         self.closed = False
         self.num_captured = 0
         self.num_record_stream = 0
@@ -188,7 +191,7 @@ class SavedTensors:
             return False
         return ptr != 0 and ptr in self.param_ptrs
 
-    def _abandoned(self, state: Any) -> bool:
+    def _abandoned(self, state: ThreadState) -> bool:
         """Note [Interrupted forwards]: a KeyboardInterrupt was raised since this thread's
         forward began; if that forward is no longer on the stack (the interrupt ended it and
         another module runs now), close it and leave this save to autograd."""

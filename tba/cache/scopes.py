@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from tba.cache.engine.entries import Entry
 
 __all__ = ["Unit", "find_units", "matches", "Scope", "Record", "ForwardPass"]
@@ -171,7 +173,7 @@ class Record:
         self.backward_done = False
         self.num_handles = 0  # live handles of its saves: 0 after forward = its graph is gone
         self.detached = False  # its step ended (a later backward of it starts a step again)
-        self.grad_fn_hooks: list[Any] = []
+        self.grad_fn_hooks: list[RemovableHandle] = []
 
 
 class ForwardPass:

@@ -20,7 +20,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
+
+if TYPE_CHECKING:
+    from tba.cache.scopes import Record, Scope
 
 __all__ = ["Engine"]
 
@@ -104,7 +107,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         # HandleRefs of dead handles: appended by their weakref callback, drained under the lock.
         self.released: collections.deque[HandleRef] = collections.deque()
         self._queue_release = self.released.append
-        self.on_records_dead: Callable[[list[Any]], None] = lambda records: None
+        self.on_records_dead: Callable[[list[Record]], None] = lambda records: None
         self._store_q: collections.deque[Entry] = collections.deque()
         self._load_q: collections.deque[Entry] = collections.deque()
         self._threads: list[threading.Thread] = []
@@ -160,8 +163,8 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         tensor: torch.Tensor,
         storage: torch.UntypedStorage,
         root: torch.Tensor,
-        scope: Any,
-        record: Any,
+        scope: Scope,
+        record: Record,
         offload: bool,
     ) -> tuple[Handle, Entry | None]:
         """A handle for ``tensor`` (a plain strided tensor on ``storage``, ``root`` the base of
@@ -300,6 +303,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             elif state is not S.LOADING:
                 raise AssertionError(f"tba bug: unpack of a {state} entry")
             done = xfer.load_done
+            assert done is not None  # set by _queue_load
         self._wait_for_load(entry, done)
         with self.lock:
             if xfer.error is not None:
@@ -342,7 +346,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
 
     def _drain_locked(self) -> None:
         released = self.released
-        dead: list[Any] = []
+        dead: list[Record] = []
         while released:
             ref = released.popleft()
             entry = ref.entry

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import threading
 
     from tba.cache.engine.table import EntryTable
+    from tba.cache.profiler_ranges import LoadDone
     from tba.cache.stats import CacheStats
     from tba.cache.trace import TraceRecorder
     from tba.offloaders.base import Offloader
@@ -79,7 +80,7 @@ class EngineWaits:
         if self.error is not None:
             self.raise_pending()
 
-    def _wait_for_load(self, entry: Entry, done: Any) -> None:
+    def _wait_for_load(self, entry: Entry, done: LoadDone) -> None:
         """Wait (no lock held) until a worker finished loading ``entry``; bounded."""
         start = time.perf_counter()
         progress, since = self._progress, time.monotonic()

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from tba.cache.stats import CacheStats
     from tba.cache.streams import StreamLayer
     from tba.cache.trace import TraceRecorder
+    from tba.offloaders.base import Offloader
 
 __all__ = ["INLINE_MAX_BYTES", "TransferWorkers"]
 
@@ -57,7 +58,7 @@ INLINE_MAX_BYTES = 64 << 10
 
 
 
-def _offloader_error(offloader: Any, what: str, nbytes: int, exc: BaseException) -> BaseException:
+def _offloader_error(offloader: Offloader, what: str, nbytes: int, exc: BaseException) -> BaseException:
     """``exc`` as the ``OffloadIOError`` raised in the training step."""
     if isinstance(exc, OffloadIOError):
         return exc
@@ -132,7 +133,7 @@ class TransferWorkers:
                 )
         self._threads = []
 
-    def _run_worker(self, target: Any) -> None:
+    def _run_worker(self, target: Callable[[], None]) -> None:
         """Note [Dead workers]: an exception escaping a worker loop is a tba bug (offloader
         failures are caught and accounted inside it). The thread would die silently, and the
         training thread would then wait for room or for a load; instead every later hook
@@ -223,7 +224,7 @@ class TransferWorkers:
             # scope and the storage alive while the worker idles.
             entry = storage = xfer = None
 
-    def _run_store(self, entry: Entry, storage: Any, xfer: Transfer) -> None:
+    def _run_store(self, entry: Entry, storage: torch.UntypedStorage, xfer: Transfer) -> None:
         """On a store worker, no lock held, the entry STORING: copy ``storage`` out."""
         start = time.perf_counter()
         src = storage_bytes(storage)
