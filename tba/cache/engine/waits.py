@@ -11,7 +11,7 @@ import collections
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tba.cache.engine.entries import Entry, HandleRef, Transfer
 from tba.cache.engine.states import State
