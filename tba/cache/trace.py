@@ -7,10 +7,9 @@ import os
 import threading
 import time
 
+from tba.settings import MAX_TRACE_EVENTS_PER_STEP
+
 __all__ = ["TraceRecorder"]
-
-_MAX_EVENTS_PER_STEP = 1_000_000
-
 
 class TraceRecorder:
     """Collects the events of the running step and keeps those of the last completed one.
@@ -35,7 +34,7 @@ class TraceRecorder:
         if tid not in self._threads:
             self._threads[tid] = threading.current_thread().name
         events = self._events
-        if len(events) < _MAX_EVENTS_PER_STEP:
+        if len(events) < MAX_TRACE_EVENTS_PER_STEP:
             events.append((name, start, end, tid, nbytes, ok))
 
     def end_step(self) -> None:

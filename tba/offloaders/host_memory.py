@@ -28,11 +28,11 @@ from typing import Protocol
 
 import torch
 
+from tba.settings import PAGE_BYTES
+
 __all__ = ["HostAllocator", "HostBuffer", "Pinner", "CudaHostRegister"]
 
 logger = logging.getLogger(__name__)
-
-PAGE_BYTES = mmap.PAGESIZE
 
 
 class Pinner(Protocol):

@@ -31,13 +31,14 @@ from tba.cache.engine.states import DROP_KEPT_ROW, HOLDS_DATA, KEEP_ROW, ROWS, E
 from tba.cache.engine.table import FAMILY_ATTR, STAMP_ATTR, next_stamp
 from tba.cache.engine.table import EntryTable
 from tba.cache.engine.waits import EngineWaits
-from tba.cache.engine.workers import INLINE_MAX_BYTES, TransferWorkers
+from tba.cache.engine.workers import TransferWorkers
 from tba.cache.profiler_ranges import LoadDone
 from tba.cache.stats import CacheStats
 from tba.cache.streams import StreamLayer
 from tba.cache.trace import TraceRecorder
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
+from tba.settings import INLINE_MAX_BYTES, WAKE_BYTES
 
 if TYPE_CHECKING:
     from tba.cache.scopes import Record, Scope
@@ -50,8 +51,7 @@ logger = logging.getLogger(__name__)
 # far more than copying a small tensor. A save queues its store and wakes the workers only
 # when the queued bytes reach this many (or the tensor alone does); ``flush`` (called at every
 # unit boundary and at the end of forward), backpressure, ``wait_for_stores`` and close wake
-# them for whatever is queued.
-_WAKE_BYTES = 1 << 20
+# them for whatever is queued (tba.settings.WAKE_BYTES).
 
 
 E, S = Event, State
@@ -244,7 +244,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         self._unwoken_bytes += entry.nbytes
         if not self._threads:
             self._start_workers()
-        if self._unwoken_bytes >= _WAKE_BYTES:
+        if self._unwoken_bytes >= WAKE_BYTES:
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from tba.cache.engine.entries import Entry, HandleRef, Transfer
 from tba.cache.engine.states import State
 from tba.errors import TBAError
+from tba.settings import POLL_S
 
 if TYPE_CHECKING:
     import threading
@@ -26,9 +27,8 @@ if TYPE_CHECKING:
     from tba.cache.trace import TraceRecorder
     from tba.offloaders.base import Offloader
 
-__all__ = ["EngineWaits", "POLL_S"]
+__all__ = ["EngineWaits"]
 
-POLL_S = 0.5  # how often a wait checks that the workers are alive and the engine open
 
 S = State
 

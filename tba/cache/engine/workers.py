@@ -20,9 +20,9 @@ from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.engine.entries import Entry, Transfer
 from tba.cache.engine.states import Event, State
 from tba.cache.profiler_ranges import transfer_range
-from tba.cache.streams import PAGE_BYTES
 from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
+from tba.settings import DIRECT_IO_ALIGNMENT
 
 if TYPE_CHECKING:
     from tba.cache.stats import CacheStats
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tba.cache.trace import TraceRecorder
     from tba.offloaders.base import Offloader
 
-__all__ = ["INLINE_MAX_BYTES", "TransferWorkers"]
+__all__ = ["TransferWorkers"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ E, S = Event, State
 # storages always go through the workers (their copies wait on streams). Both run inside the
 # engine's lock (a critical section: Note [Interrupt-safe bookkeeping]); the entry's state
 # machine and counters are the same as for a worker's transfer: only the thread differs.
-INLINE_MAX_BYTES = 64 << 10
 
 # Note [Inline CPU time]: ``CacheStats.io_cpu_s`` counts the CPU the transfers take from the
 # host. A worker measures its thread's CPU time around a transfer (``TransferCPU``); an inline
@@ -177,7 +176,7 @@ class TransferWorkers:
         self.trace.span("store", start, end, entry.nbytes, True)
         xfer.inline = True
         xfer.token = token
-        xfer.page_offset = storage.data_ptr() % PAGE_BYTES
+        xfer.page_offset = storage.data_ptr() % DIRECT_IO_ALIGNMENT
         self.step.write_s += end - start
         self._apply(entry, E.STORED_INLINE)
         self._let_go(entry)
@@ -239,7 +238,7 @@ class TransferWorkers:
         self.trace.span("store", start, end, entry.nbytes, failure is None)
         resized = failure is None and storage.nbytes() != entry.nbytes
         # Note [Reload buffers at the source's page offset]
-        page_offset = storage.data_ptr() % PAGE_BYTES if storage.device.type == "cpu" else 0
+        page_offset = storage.data_ptr() % DIRECT_IO_ALIGNMENT if storage.device.type == "cpu" else 0
         del storage
         with self.lock:
             self.step.io_cpu_s += cpu.seconds
