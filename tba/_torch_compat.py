@@ -140,8 +140,8 @@ def call_outside_compile(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwar
     return fn(*args, **kwargs)
 
 
-call_outside_compile._torchdynamo_disable = True  # type: ignore[attr-defined]
-call_outside_compile._torchdynamo_disable_msg = FULLGRAPH_MESSAGE  # type: ignore[attr-defined]
+setattr(call_outside_compile, "_torchdynamo_disable", True)  # markers Dynamo reads
+setattr(call_outside_compile, "_torchdynamo_disable_msg", FULLGRAPH_MESSAGE)
 
 _refusal_class: type | None = None
 num_traced_hooks = 0  # tba hooks Dynamo traced, process-wide (Note [tba under torch.compile])

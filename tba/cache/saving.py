@@ -244,6 +244,7 @@ class SavedTensors:
         if not offloadable_subclass(type(tensor)):
             self._note_unsafe_subclass(type(tensor))
             return (tensor, tensor._version)
+        # torch's Tensor stub lacks the subclass protocol's __tensor_flatten__ (checked above).
         names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         nested = type(tensor).__name__ == NESTED_TYPE_NAME
         inner: dict[str, Any] = {}
