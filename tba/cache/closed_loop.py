@@ -130,12 +130,14 @@ class OverheadLoop:
         self._num_steady += 1
         self._recent.append(seconds)
         if self.rule and self._num_steady >= self.recheck_every:
-            return self._recheck(f"periodic re-check after {self._num_steady} steps")
+            self._recheck(f"periodic re-check after {self._num_steady} steps")
+            return None
         accepted = self.offload_s if self.candidate else self.keep_s
         if accepted and len(self._recent) == self._recent.maxlen:
             ratio = _median(self._recent) / accepted
             if not 1 / self.drift <= ratio <= self.drift:
-                return self._recheck(f"step time moved {ratio:.2f}x")
+                self._recheck(f"step time moved {ratio:.2f}x")
+                return None
         return self.candidate
 
     # ------------------------------------------------------------------ internals
@@ -148,7 +150,6 @@ class OverheadLoop:
         self._recent.clear()
         self.reason = f"checking again: {why}"
         logger.info("tba adaptive: %s", self.reason)
-        return None
 
     def _probe(self, candidate: int, why: str) -> int:
         self._keep, self._offload = [], []
