@@ -36,6 +36,7 @@ import tba  # noqa: E402
 from tba.offloaders import make_offloader  # noqa: E402
 from tba.rok._worker import build_model  # noqa: E402
 
+from _adaptive_table import parse_choices  # noqa: E402
 from _environment import describe  # noqa: E402
 from _noise import NOISES, BusyBursts, StallingOffloader, stall_windows  # noqa: E402
 
@@ -117,6 +118,9 @@ def _run(args: argparse.Namespace, threads: int, noise: str) -> dict:
             per_step.append(dict(offloaded_bytes=stats.offloaded_bytes,
                                  managed_bytes=stats.offloaded_bytes + stats.kept_bytes,
                                  loss=losses[0].item()))
+            if (step + 1) % args.window == 0:
+                print(f"  step {step + 1}: tba / plain so far {sum(times[1]) / sum(times[0]):.3f}",
+                      flush=True)
     finally:
         busy_intervals = busy.stop() if busy is not None else []
         cache.close()
@@ -208,10 +212,7 @@ def _portable_command() -> str:
 
 
 def main(args: argparse.Namespace) -> dict:
-    noises = [n.strip() for n in args.noise.split(",") if n.strip()]
-    unknown = [n for n in noises if n not in NOISES]
-    if unknown:
-        raise SystemExit(f"--noise: unknown {unknown}; choose from {list(NOISES)}")
+    noises = parse_choices(args.noise, NOISES, "--noise")
     env = describe("cpu")
     env["command"] = _portable_command()
     header = [" ".join(f"{k}={v}" for k, v in env.items()),
@@ -227,6 +228,12 @@ def main(args: argparse.Namespace) -> dict:
             print("\n".join(summary), flush=True)
             lines += summary
             results.append(result)
+            out = _write(args, env, header, lines, results)  # after each run: partial results
+    return out
+
+
+def _write(args: argparse.Namespace, env: dict, header: list[str], lines: list[str],
+           results: list[dict]) -> dict:
     Path(args.prefix).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.prefix}.txt").write_text("\n".join(lines) + "\n")
     with open(f"{args.prefix}.csv", "w", newline="") as f:

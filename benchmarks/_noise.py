@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from tba.offloaders import Throttled
+
 __all__ = ["NOISES", "BusyBursts", "StallingOffloader", "stall_windows"]
 
 NOISES = ("none", "busy", "stalls")
@@ -30,9 +32,10 @@ rng = random.Random(int(sys.argv[1]))
 while True:
     on, off = rng.uniform(0.2, 2.0), rng.uniform(0.2, 2.0)
     start = time.monotonic()
+    print(f"on {start}", flush=True)
     while time.monotonic() - start < on:
         pass
-    print(f"{start} {time.monotonic()}", flush=True)
+    print(f"off {time.monotonic()}", flush=True)
     time.sleep(off)
 """
 
@@ -46,9 +49,19 @@ class BusyBursts:
 
     def stop(self) -> list[tuple[float, float]]:
         """Ends the child; the (start, end) monotonic times it was busy."""
+        stopped = time.monotonic()
         self._proc.terminate()
         out, _ = self._proc.communicate(timeout=30)
-        return [(float(a), float(b)) for a, b in (line.split() for line in out.splitlines())]
+        intervals, start = [], None
+        for kind, when in (line.split() for line in out.splitlines()):
+            if kind == "on":
+                start = float(when)
+            elif start is not None:
+                intervals.append((start, float(when)))
+                start = None
+        if start is not None:  # stopped in a burst
+            intervals.append((start, stopped))
+        return intervals
 
 
 def stall_windows(seed: int, start: float, duration_s: float) -> list[tuple[float, float]]:
@@ -62,7 +75,7 @@ def stall_windows(seed: int, start: float, duration_s: float) -> list[tuple[floa
     return windows
 
 
-class StallingOffloader:
+class StallingOffloader(Throttled):
     """Wraps an offloader: a store or load that starts inside a stall window waits for its end.
 
     Args:
@@ -71,7 +84,7 @@ class StallingOffloader:
     """
 
     def __init__(self, inner: Any, windows: list[tuple[float, float]]) -> None:
-        self.inner = inner
+        super().__init__(inner)  # no bandwidth cap: only the stalls
         self.name = f"stalling-{inner.name}"
         self._windows = windows
         self._lock = threading.Lock()
@@ -90,17 +103,8 @@ class StallingOffloader:
 
     def store(self, src: torch.Tensor) -> Any:
         self._stall()
-        return self.inner.store(src)
+        return super().store(src)
 
     def load(self, token: Any, dst: torch.Tensor) -> None:
         self._stall()
-        self.inner.load(token, dst)
-
-    def release(self, token: Any) -> None:
-        self.inner.release(token)
-
-    def reserve(self, num_bytes: int) -> None:
-        self.inner.reserve(num_bytes)
-
-    def close(self) -> None:
-        self.inner.close()
+        super().load(token, dst)
