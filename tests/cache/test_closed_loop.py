@@ -363,9 +363,10 @@ def test_backs_off_under_contention_and_offloads_again_bit_exact() -> None:
     assert "settled at step 43 (12 of at most 48 measured steps)" in cache.summary()
 
 
-def test_contention_reported_in_decision() -> None:
+def test_contention_reported_in_decision(recwarn: pytest.WarningsRecorder) -> None:
     """Under contention the settled decision names the measurements, their bounds, the
-    overhead, the measuring budget and the step it settled at."""
+    overhead, the measuring budget and the step it settled at. The loop's keep steps are no
+    decision to keep every block: no "offloaded nothing" warning."""
     clock = FakeClock()
     offloader = Contended(clock)
     torch.manual_seed(0)
@@ -385,6 +386,7 @@ def test_contention_reported_in_decision() -> None:
             if 2 <= step < 26:  # decided at step 2, measuring until step 26
                 assert cache.adaptive_decision.settled_at_step is None, step
         decision = cache.adaptive_decision
+    assert not [w for w in recwarn if "offloaded nothing" in str(w.message)]
     # [0, 5): +15%: 3% a block predicts [0, 1) at +3%, measured +3.1% (the embedding's input
     # is offloaded too, outside the blocks): within 5%, and 17% of the bytes is worth it.
     assert decision.tail_start == 1 and cache.boundary.tail_start == 1, str(decision)
@@ -435,6 +437,31 @@ def test_no_keep_steps_without_memory_for_them() -> None:
     assert decision.reason.startswith("closed loop not measuring: a step keeping every block "
                                       "would hold"), decision.reason
     assert "1000 B is free" in decision.reason
+
+
+def test_steady_keep_steps_only_with_memory_for_them() -> None:
+    """After settling, two keep steps every ``keep_every`` steady steps refresh the baseline;
+    once the memory free no longer covers a keep step, none runs."""
+    clock = FakeClock()
+    model = models.Stack(num_blocks=_BLOCKS)
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda *_: clock.advance(1.0))
+    free = {"bytes": 1 << 40}
+    with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
+                                    min_offload_bytes=0) as cache:
+        cache._steps.clock = clock
+        cache._steps.free_bytes = lambda: free["bytes"]
+        cache._steps.loop.keep_every = 2
+        for step in range(1, 25):
+            if step == 19:
+                free["bytes"] = 1000
+            loss = model(models.vector_batch(step))
+            cache.wait_for_stores(60)
+            loss.backward()
+        tails = [t for _, _, t in cache._steps.history]
+    # 1-2 profile; 3-14 the check (no cost: settled at 5); 15-16 steady, 17-18 keep steps;
+    # from 19 no memory for keep steps.
+    assert tails == [5, 5] + [0, 0, 5, 5] * 3 + [5, 5, 0, 0] + [5] * 6, tails
 
 
 @pytest.mark.gpu
