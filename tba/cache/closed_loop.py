@@ -186,6 +186,7 @@ class OverheadLoop:
         self.rule = rule
         self._block_bytes = tuple(block_bytes)
         self._baseline.clear()
+        self._run_at = None  # the profiled step before this was not observed
         self.last = self.last_tail_start = None
         if rule == 0:
             self.probe_steps = 0
