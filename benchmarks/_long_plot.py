@@ -4,8 +4,10 @@ Upper panel: time of each tba step over its plain twin's (dots), per window (ste
 running total (line), against the budget (``max_step_overhead``, 1.05) and the acceptance
 line (1.06); shaded where the injected noise was on. Lower panel: blocks offloaded at each
 step (0: a keep step, nothing offloaded), the offloaded fraction per window (bars, right
-axis), and the loop's decisions as ticks: profile (grey), a boundary failing its check
-(red), settling (green), steady steps found over the keep baseline (orange).
+axis), and the loop's decisions as markers at the boundary concerned: profile (grey line), a
+boundary passing (green triangle) or failing (red triangle) its check, settling (green dot),
+steady steps found over the keep baseline (orange dot), a re-check from a new profile
+(purple dot).
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ from pathlib import Path
 
 __all__ = ["plot"]
 
-_EVENT_COLOURS = {"fail": "tab:red", "settle": "tab:green", "suspect": "tab:orange",
-                  "recheck": "tab:purple"}
+_EVENTS = {  # kind: (colour, marker, legend)
+    "pass": ("tab:green", "^", "passes check"),
+    "fail": ("tab:red", "v", "fails check"),
+    "settle": ("tab:green", "o", "settles"),
+    "suspect": ("tab:orange", "o", "over keep baseline"),
+    "recheck": ("tab:purple", "o", "re-check"),
+}
 
 
 def plot(results: list[dict], env: dict, window: int, path: Path) -> None:
@@ -80,14 +87,13 @@ def _panels(result: dict, window: int, top, bottom) -> None:
     for step in result["profiled_at"]:
         bottom.axvline(step, color="0.6", lw=1)
     for event in result["events"]:
-        colour = _EVENT_COLOURS.get(event["kind"])
-        if colour is not None and event["step"] is not None:
-            bottom.plot([event["step"]], [event["tail_start"]], marker="v" if event["kind"] == "fail" else "o",
-                        color=colour, ms=6, ls="none")
-    bottom.set_ylim(-0.5, top_blocks + 1)
+        if event["kind"] in _EVENTS and event["step"] is not None:
+            colour, marker, _ = _EVENTS[event["kind"]]
+            bottom.plot([event["step"]], [event["tail_start"]], marker=marker, color=colour, ms=6,
+                        ls="none")
+    bottom.set_ylim(-0.5, top_blocks + 1.5)
     bottom.set_ylabel("blocks")
-    handles = [bottom.lines[0]] + [
-        bottom.plot([], [], marker="v" if k == "fail" else "o", color=c, ls="none")[0]
-        for k, c in _EVENT_COLOURS.items()]
-    bottom.legend(handles, ["blocks offloaded (0: keep step)", "fails check", "settles",
-                            "over keep baseline", "re-check"], loc="upper right", fontsize=7, ncol=5)
+    handles = [bottom.lines[0]] + [bottom.plot([], [], marker=m, color=c, ls="none")[0]
+                                   for c, m, _ in _EVENTS.values()]
+    bottom.legend(handles, ["blocks offloaded (0: keep step)"] + [t for _, _, t in _EVENTS.values()],
+                  loc="upper right", fontsize=7, ncol=6)
