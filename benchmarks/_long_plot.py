@@ -73,8 +73,6 @@ def _panels(result: dict, window: int, top, bottom) -> None:
     top.legend(loc="upper right", fontsize=7, ncol=5)
     tails = [r["tail_start"] if r["tail_start"] is not None else 0 for r in steps]
     bottom.step(x, tails, where="mid", color="tab:blue", lw=1.2, label="blocks offloaded")
-    keep = [n for n, t in zip(x, tails) if t == 0]
-    bottom.plot(keep, [0] * len(keep), "|", color="tab:blue", ms=6)
     share = bottom.twinx()
     for first in range(0, len(steps), window):
         chunk = steps[first:first + window]

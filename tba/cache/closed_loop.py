@@ -49,7 +49,8 @@ boundary that went over the budget is measured over and backed off within ``wind
 ``recheck_every`` steady steps conditions are checked again from a new profile (the rule, then
 a check): contention that went away is seen only by offloading again. The loop only reads
 step times: the cache's steps feed them (``observe``) and apply the boundary it returns.
-Tested with scripted step times in tests/cache/test_closed_loop.py.
+Tested with scripted step times in tests/cache/test_overhead_loop.py and, in the
+cache with an injected clock, tests/cache/test_closed_loop.py.
 
 A keep step holds every activation of the step in memory, which offloading was meant to avoid:
 the cache starts the loop only when the memory free at the decision covers what the rule's
