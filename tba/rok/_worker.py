@@ -25,8 +25,9 @@ STRATEGIES = ("keep", "recompute", "offload-host", "offload-ssd", "recompute+off
 # sweep's ``policy_offloader`` (the SSD on CPU, where host memory is the device, else "host").
 _OFFLOADER = {"keep": "none", "offload-host": "host", "offload-ssd": "ssd", "recompute+offload": "ssd"}
 POLICY_STRATEGIES = ("adaptive", "budget")
-# Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds.
-_MAX_EXTRA_WARMUP = 40
+# Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds:
+# a closed-loop check measures at most 48 steps after the profile (closed_loop.MAX_PROBE_STEPS).
+_MAX_EXTRA_WARMUP = 56
 
 
 def cpu_name() -> str:
