@@ -333,7 +333,7 @@ def test_warmup_waits_while_the_closed_loop_measures():
     script = [(None, 10, None), (5, 0, None), (5, 0, None), (5, 9, None), (5, 9, None)]
     warmup = _warmup_steps(script + [(5, 9, 5)] * 4, cache_type=_MeasuringCache)
     assert warmup.steps == 6 and not warmup.unsettled
-    # ... as long as a check may measure: a unsettled point is the policy's fault, not the warm-up's.
+    # ... as long as a check may measure: an unsettled point is the policy's fault, not the warm-up's.
     from tba.cache.closed_loop import MAX_PROBE_STEPS
 
     assert _rok_worker._MAX_EXTRA_WARMUP >= MAX_PROBE_STEPS + 2
