@@ -240,7 +240,7 @@ else
 fi
 
 if ((TINY)); then
-    stage hook_overhead "$(limit 45)" "$PY" benchmarks/hook_overhead.py --blocks 2 --ops 20 --repeats 3 \
+    stage hook_overhead "$(limit 45)" "$PY" benchmarks/hook_overhead.py --blocks 2 --ops 20 --rounds 2 --warmup 3 \
         --large-ops 1 --out "$RESULTS/hook_overhead.json"
 else
     stage hook_overhead "$(limit 45)" "$PY" benchmarks/hook_overhead.py --out "$RESULTS/hook_overhead.json"

@@ -1,35 +1,45 @@
-"""CPU time per saved tensor: no hooks, bare identity hooks, ``save_on_cpu``, tba ``none`` and
-tba ``host``, measured side by side (interleaved) in one run.
+"""CPU time per saved tensor, in steady state: no hooks, bare identity hooks, ``save_on_cpu``, a
+minimal Python table, tba ``none``, tba ``host`` and tba ``ssd``, measured side by side
+(interleaved) in one run.
 
-A model of many tiny ops saves thousands of small tensors; each variant's step is timed and the
-difference to the step without hooks is divided by the tensors it packed. Times are CPU time of
-the whole process (``time.process_time``: the training thread and tba's transfer threads), so a
-busy shared machine inflates them less than wall time; wall times are reported beside. tba's costs are
-printed as ratios to the bare hooks' cost (the floor any saved-tensor hook pays). "python floor"
-is the least a Python entry table can do per saved tensor (``MinimalTable``: a stamp dict, a
-detached alias, a handle with ``__del__``, a lock per hook): what tba's own bookkeeping is
-measured against. A second model with 1 MiB tensors checks that large tensors do not get slower.
+A model of many tiny ops saves thousands of small tensors; each variant trains its own copy of
+the model (tba variants: one cache each, configured once; the timed steps are steps 4 and later
+of that cache, after warm-up), and the difference of its step time to the step without hooks
+is divided by the tensors it packed. Variants run in a shuffled order in every round, so a busy
+shared machine's drift hits them alike; times are CPU time of the whole process
+(``time.process_time``: the training thread and tba's transfer threads), wall time beside.
+Each variant's cost is printed as a ratio to ``save_on_cpu``'s and to the bare hooks' (the floor
+any saved-tensor hook pays). "python floor" is the least a Python entry table does per saved
+tensor (``MinimalTable``: a stamp dict, a detached alias, a handle with ``__del__``, a lock per
+hook). A second model with 1 MiB tensors checks that large tensors do not get slower.
 
-    python benchmarks/hook_overhead.py                      # defaults, prints and writes JSON
-    python benchmarks/hook_overhead.py --ops 400 --repeats 15 --out results/hook_overhead.json
+    python benchmarks/hook_overhead.py                      # defaults, prints, writes JSON + TXT
+    python benchmarks/hook_overhead.py --rounds 30 --out benchmarks/results/cpu/hook_overhead.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import itertools
 import json
+import random
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import tba
 from _environment import describe
+
+TBA_OPTIONS = dict(offload_devices=("cpu",), min_offload_bytes=0, keep_last_modules=0, adaptive=False)
+VARIANTS = ("no hooks", "bare hooks", "save_on_cpu", "python floor", "tba none", "tba host", "tba ssd")
 
 
 class TinyOps(nn.Module):
@@ -131,92 +141,86 @@ def minimal_table() -> Iterator[None]:
         yield
 
 
-def measure(
-    blocks: int, ops: int, width: int, repeats: int
-) -> dict[str, dict[str, float]]:
-    """Median step time of each variant (interleaved) and the tensors it packed/offloaded."""
-    model = Model(blocks, ops, width)
+def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir: str) -> dict:
+    """Median step time of each variant (steady state, interleaved) and what tba packed."""
+    torch.manual_seed(0)
+    base = Model(blocks, ops, width)
     x = torch.randn(width)
-    tba_opts = dict(offload_devices=("cpu",), min_offload_bytes=0, keep_last_modules=0,
-                    adaptive=False)
-    caches = {}
+    steps: dict[str, Callable[[], None]] = {}
+    caches: dict[str, tba.TensorCache] = {}
+    for name, ctx in (("no hooks", contextlib.nullcontext), ("bare hooks", bare_hooks),
+                      ("save_on_cpu", torch.autograd.graph.save_on_cpu),
+                      ("python floor", minimal_table)):
+        model = copy.deepcopy(base)
 
-    def run_plain(ctx: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], None]:
-        def step() -> None:
+        def plain(model: nn.Module = model, ctx: Callable = ctx) -> None:
             with ctx():
                 model(x).backward()
-        return step
 
-    def run_tba(name: str) -> Callable[[], None]:
-        def step() -> None:
-            cache = tba.configure_tensor_cache(model, offloader=name, **tba_opts)
-            try:
-                model(x).backward()
-                caches[f"tba {name}"] = cache.stats()
-            finally:
-                cache.close()
-        return step
+        steps[name] = plain
+    for offloader in ("none", "host", "ssd"):
+        model = copy.deepcopy(base)
+        extra = dict(ssd_dirs=(ssd_dir,), ssd_engine="posix") if offloader == "ssd" else {}
+        caches[f"tba {offloader}"] = tba.configure_tensor_cache(model, offloader=offloader, **TBA_OPTIONS, **extra)
 
-    variants = {
-        "no hooks": run_plain(contextlib.nullcontext),
-        "bare hooks": run_plain(bare_hooks),
-        "save_on_cpu": run_plain(torch.autograd.graph.save_on_cpu),
-        "python floor": run_plain(minimal_table),
-        "tba none": run_tba("none"),
-        "tba host": run_tba("host"),
-    }
+        def with_tba(model: nn.Module = model) -> None:
+            model(x).backward()
 
-    def configure_only(name: str) -> Callable[[], None]:
-        def step() -> None:
-            tba.configure_tensor_cache(model, offloader=name, **tba_opts).close()
-        return step
-
-    # tba's variants configure and close a cache every step (so each step is a fresh cache):
-    # that per-step cost is timed alone and taken out.
-    setup = {"tba none": configure_only("none"), "tba host": configure_only("host")}
-    jobs = [*variants.items(), *((f"{name} setup", fn) for name, fn in setup.items())]
-    times: dict[str, list[float]] = {name: [] for name, _ in jobs}
-    walls: dict[str, list[float]] = {name: [] for name, _ in jobs}
-    for _, fn in jobs:  # warm-up
-        fn()
-    for _ in range(repeats):  # interleaved: drift hits every variant alike
-        for name, fn in jobs:
+        steps[f"tba {offloader}"] = with_tba
+    for _ in range(warmup):  # the tba caches' first steps: pools grown and sized
+        for step in steps.values():
+            step()
+    counts = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    walls: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
             start, wall = time.process_time(), time.perf_counter()
-            fn()
+            steps[name]()
             times[name].append(time.process_time() - start)
             walls[name].append(time.perf_counter() - wall)
+    after = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
+    for cache in caches.values():
+        cache.close()
+    timed = {name: after[name].num_steps - counts[name].num_steps for name in caches}
+    packed = (after["tba none"].num_packed - counts["tba none"].num_packed) // max(timed["tba none"], 1)
+    offloaded = {name: (after[name].num_offloaded - counts[name].num_offloaded) / max(timed[name], 1)
+                 for name in ("tba host", "tba ssd")}
     median = {name: statistics.median(t) for name, t in times.items()}
-    wall_median = {name: statistics.median(t) for name, t in walls.items()}
-    packed = caches["tba none"].num_packed
-    offloaded = caches["tba host"].num_offloaded
-    base = median["no hooks"]
+    base_s = median["no hooks"]
     out: dict[str, dict[str, float]] = {}
-    for name in variants:
-        extra = median[name] - base - median.get(f"{name} setup", 0.0)
-        out[name] = {"step_s": median[name], "step_wall_s": wall_median[name],
-                     "per_tensor_us": extra / packed * 1e6}
-    out["tba host"]["per_offloaded_tensor_us"] = (
-        (median["tba host"] - base - median["tba host setup"]) / max(offloaded, 1) * 1e6
-    )
-    out["_counts"] = {"num_packed": packed, "num_offloaded": offloaded}
+    for name in steps:
+        out[name] = {
+            "step_s": median[name], "step_wall_s": statistics.median(walls[name]),
+            "per_tensor_us": (median[name] - base_s) / max(packed, 1) * 1e6,
+        }
+    for name in ("tba host", "tba ssd"):
+        out[name]["offloaded_per_step"] = offloaded[name]
+    soc, bare = out["save_on_cpu"]["per_tensor_us"], out["bare hooks"]["per_tensor_us"]
+    for row in out.values():
+        row["x_save_on_cpu"] = row["per_tensor_us"] / soc if soc > 0 else float("nan")
+        row["x_bare_hooks"] = row["per_tensor_us"] / bare if bare > 0 else float("nan")
+    out["_counts"] = {"num_packed_per_step": packed, "rounds": rounds, "warmup_steps": warmup}
     return out
 
 
-def report(label: str, rows: dict[str, dict[str, float]]) -> list[str]:
-    bare = rows["bare hooks"]["per_tensor_us"]
+def report(label: str, rows: dict) -> list[str]:
     counts = rows["_counts"]
-    lines = [f"{label}: {counts['num_packed']} saved tensors per step, "
-             f"{counts['num_offloaded']} offloaded with 'host'"]
-    for name, row in rows.items():
-        if name.startswith("_"):
-            continue
-        ratio = (f"  ({row['per_tensor_us'] / bare:.1f}x bare hooks)"
-                 if (name.startswith("tba") or name == "python floor") and bare > 0 else "")
-        extra = (f"; {row['per_offloaded_tensor_us']:.1f} us per offloaded tensor"
-                 if "per_offloaded_tensor_us" in row else "")
+    lines = [f"{label}: {counts['num_packed_per_step']} saved tensors per step, "
+             f"{counts['rounds']} interleaved rounds after {counts['warmup_steps']} warm-up steps "
+             f"(median CPU time per step; cost per saved tensor over no hooks)"]
+    for name in VARIANTS:
+        row = rows[name]
+        extra = (f"  [{row['offloaded_per_step']:.0f} offloaded per step]"
+                 if "offloaded_per_step" in row else "")
+        ratios = "" if name == "no hooks" else (
+            f"  {row['x_save_on_cpu']:5.2f}x save_on_cpu  {row['x_bare_hooks']:5.1f}x bare hooks")
         lines.append(f"  {name:<13} step {row['step_s'] * 1e3:8.2f} ms CPU "
                      f"({row['step_wall_s'] * 1e3:8.2f} ms wall)  "
-                     f"{row['per_tensor_us']:7.2f} us/tensor{ratio}{extra}")
+                     f"{row['per_tensor_us']:7.2f} us/tensor{ratios}{extra}")
     return lines
 
 
@@ -224,21 +228,29 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--ops", type=int, default=250)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=15, help="interleaved timed rounds")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each cache first")
     p.add_argument("--large-ops", type=int, default=8, help="ops per block of the 1 MiB model")
-    p.add_argument("--out", default="hook_overhead.json")
+    p.add_argument("--out", default="hook_overhead.json", help="JSON path; a .txt beside it")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     env = describe("cpu")
-    print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
-    tiny = measure(args.blocks, args.ops, 8, args.repeats)
-    large = measure(args.blocks, args.large_ops, (1 << 20) // 4, args.repeats)
+    header = " ".join(f"{k}={v}" for k, v in env.items())
+    print(header, flush=True)
+    with tempfile.TemporaryDirectory(prefix="tba-hook-overhead-") as ssd_dir:
+        tiny = measure(args.blocks, args.ops, 8, args.rounds, args.warmup, ssd_dir)
+        large = measure(args.blocks, args.large_ops, (1 << 20) // 4, args.rounds, args.warmup, ssd_dir)
     lines = report("tiny tensors (32 B)", tiny) + report("1 MiB tensors", large)
-    print("\n".join(lines))
-    result = {"environment": env, "tiny": tiny, "large_1MiB": large,
-              "targets": {"tba none / bare hooks": 2.0, "tba host per offloaded tiny tensor us": 15.0}}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    targets = {"tba none / save_on_cpu <=": 2.0, "tba host / save_on_cpu <= (tiny)": 6.0}
+    verdict = [
+        f"targets: tba none {tiny['tba none']['x_save_on_cpu']:.2f}x save_on_cpu (<= 2.0), "
+        f"tba host {tiny['tba host']['x_save_on_cpu']:.2f}x save_on_cpu (<= 6.0)",
+    ]
+    print("\n".join(lines + verdict))
+    result = {"environment": env, "tiny": tiny, "large_1MiB": large, "targets": targets}
+    out = Path(args.out)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".txt").write_text("\n".join([header, *lines, *verdict]) + "\n")
     return result
 
 

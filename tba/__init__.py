@@ -2,9 +2,9 @@
 
 Example:
     >>> import tba
-    >>> cache = tba.configure_tensor_cache(model, offloader="host")  # doctest: +SKIP
-    >>> loss = model(batch).loss; loss.backward(); print(cache.stats())  # doctest: +SKIP
-    >>> cache.close()  # doctest: +SKIP
+    >>> tba.configure_tensor_cache(model, offloader="host")  # doctest: +SKIP
+    >>> loss = model(batch).loss; loss.backward()  # doctest: +SKIP
+    >>> print(tba.get_tensor_cache(model).stats())  # doctest: +SKIP
 
 Importing tba initialises no CUDA, loads no native library and installs no hook.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import weakref
 from typing import Any
 
 from torch import nn
@@ -24,6 +26,7 @@ from tba.errors import OffloadIOError, TBAError
 
 __all__ = [
     "configure_tensor_cache",
+    "get_tensor_cache",
     "TensorCache",
     "TensorCacheConfig",
     "CacheStats",
@@ -33,6 +36,8 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+logger = logging.getLogger(__name__)
+
 
 def configure_tensor_cache(
     model: nn.Module, config: TensorCacheConfig | None = None, **options: Any
@@ -41,7 +46,10 @@ def configure_tensor_cache(
 
     The cache hooks ``model`` (forward hooks, and ``saved_tensors_hooks`` around each of its
     forwards): nothing else in the training script changes. Results are bit-identical to
-    training without it.
+    training without it. The model owns its cache: the call works the same whether or not
+    its result is kept (:func:`get_tensor_cache` finds the cache again), and the cache ends
+    with ``close()``, when the model is configured again (the new configuration replaces it),
+    or when the model is collected.
 
     Args:
         model: the module whose forward saves the activations (the whole model, or one
@@ -56,16 +64,16 @@ def configure_tensor_cache(
         every hook.
 
     Raises:
-        ValueError: an unknown or invalid option (every problem is listed), keywords that
-            disagree with ``config``, or ``model`` already has a cache.
+        ValueError: an unknown or invalid option (every problem is listed), or keywords that
+            disagree with ``config``.
 
     Example:
-        >>> cache = tba.configure_tensor_cache(model, offloader="host", offload_devices=("cuda",))
+        >>> tba.configure_tensor_cache(model, offloader="host", offload_devices=("cuda",))
         >>> for batch in loader:
         ...     model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad()
-        >>> print(cache.stats())
+        >>> print(tba.get_tensor_cache(model).stats())
         >>> cfg = tba.TensorCacheConfig(offloader="ssd", offload_devices="cuda")
-        >>> cache = tba.configure_tensor_cache(model, config=cfg)
+        >>> cache = tba.configure_tensor_cache(model, config=cfg)  # replaces the first one
     """
     from tba.integrations import registry
     from tba.offloaders import make_offloader
@@ -73,11 +81,10 @@ def configure_tensor_cache(
     if not isinstance(model, nn.Module):
         raise TypeError(f"configure_tensor_cache expects a torch.nn.Module, got {type(model).__name__}")
     config = _resolve_config(config, options)
-    if registry.lookup(model) is not None and any(m is model for m, _ in registry.registered()):
-        raise ValueError(
-            f"{type(model).__name__} already has a tba.TensorCache; close() it before "
-            "configuring another"
-        )
+    previous = registry.get(model)
+    if previous is not None:
+        logger.info("tba: %s is configured again: its previous cache is closed", type(model).__name__)
+        previous.close()
     if config.pipeline is not None:
         # Process-wide and idempotent; a patched scheduler runs unchanged for modules without
         # a cache, so the patch outlives this cache (tba.integrations.unpatch() removes it).
@@ -87,8 +94,37 @@ def configure_tensor_cache(
     offloader = make_offloader(config, rank=_rank())
     cache = TensorCache(model, config, offloader)
     registry.register(cache, model)
-    cache.add_close_callback(functools.partial(registry.unregister, model))
+    # Weakly: the cache must not hold its model (Note [The model owns its cache]).
+    cache.add_close_callback(functools.partial(_unregister, weakref.ref(model)))
     return cache
+
+
+def _unregister(model_ref: weakref.ref) -> None:
+    from tba.integrations import registry
+
+    model = model_ref()
+    if model is not None:
+        registry.unregister(model)
+
+
+def get_tensor_cache(model: nn.Module) -> TensorCache | None:
+    """The tensor cache configured on ``model`` (or on the module ``model`` wraps, such as
+    DDP's ``module``), or None.
+
+    Example:
+        >>> tba.configure_tensor_cache(model, offloader="host")  # doctest: +SKIP
+        >>> print(tba.get_tensor_cache(model).summary())  # doctest: +SKIP
+    """
+    from tba.integrations import registry
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"get_tensor_cache expects a torch.nn.Module, got {type(model).__name__}")
+    found = registry.get(model)
+    if found is None:
+        inner = getattr(model, "module", None)  # DDP, FSDP1, DeepSpeed engines
+        if isinstance(inner, nn.Module):
+            found = registry.get(inner)
+    return found
 
 
 def _resolve_config(config: TensorCacheConfig | None, options: dict[str, Any]) -> TensorCacheConfig:

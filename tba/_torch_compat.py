@@ -15,7 +15,8 @@ __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
     "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "is_compiling",
     "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "capturing", "STAMP_ATTR",
-    "FAMILY_ATTR",
+    "FAMILY_ATTR", "graph_task_id", "queue_end_of_backward", "top_saved_tensors_hooks",
+    "wrap_saved_tensor_register_hooks", "unwrap_saved_tensor_register_hooks",
 ]
 
 # Note [Storage stamps]: torch keeps one Python object per StorageImpl alive for as long as the
@@ -26,7 +27,7 @@ __all__ = [
 # Tested in tests/cache/test_adversarial.py (fused-qkv views) and tests/cache/test_identity.py.
 STAMP_ATTR = "_tba_stamp"
 # The same for the root tensor of a view family (torch preserves a tensor's Python object as
-# long as its TensorImpl lives): Note [Version-counter families] in tba/cache/table.py.
+# long as its TensorImpl lives): Note [Version-counter families] in tba/cache/engine/table.py.
 FAMILY_ATTR = "_tba_family"
 
 
@@ -61,7 +62,7 @@ def release_alias(alias: torch.Tensor) -> None:
     """Point ``alias`` (a ``detach()`` alias) at an empty storage, keeping its version counter
     (shared with its view family) untouched: the family's in-place writes stay observable
     through ``alias._version`` without holding the memory (Note [Saved-version check] in
-    tba/cache/table.py). ``set_`` is dispatched below the ADInplaceOrView key, which is where
+    tba/cache/engine/table.py). ``set_`` is dispatched below the ADInplaceOrView key, which is where
     in-place ops bump the counter, so no thread ever sees a transient version change (autograd
     checks that a pack hook leaves its input's version alone)."""
     with torch._C._AutoDispatchBelowADInplaceOrView():
@@ -184,3 +185,67 @@ def keep_dynamo_out(*functions: Any) -> None:
         code = getattr(getattr(fn, "__func__", fn), "__code__", None)
         if code is not None:
             setter(code, strategy(action.SKIP, action.SKIP))
+
+
+# ---------------------------------------------------------------------------- backward passes
+def graph_task_id() -> int:
+    """The id of the autograd graph task (backward pass) running on this thread, or -1."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Run ``callback()`` when the backward pass running on this thread ends (autograd's
+    final callbacks: after its last node ran, before ``backward()`` returns; an exception it
+    raises is raised by ``backward()``). Call only from inside a backward pass."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------- saved-tensor hooks
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair autograd calls for a tensor saved now on this thread: the top
+    of the thread's stack of default saved-tensor hooks (``saved_tensors_hooks`` contexts),
+    or None when the stack is empty (Note [Outer saved-tensor hooks] in
+    tba/cache/hook_stack.py)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# Note [register_hooks on a saved tensor]: ``grad_fn._raw_saved_<name>`` is a
+# ``torch._C._autograd.SavedTensor``; its ``register_hooks(pack, unpack)`` sets a hook pair on
+# that one saved tensor and raises a RuntimeError that names neither tba nor a fix when the
+# tensor already has a pair, which it does whenever it was saved while default hooks (tba's)
+# were active. While a tensor cache exists (the first cache wraps the method, the last one to
+# close or be collected puts the original back; importing tba changes nothing) tba turns that
+# error into a TBAError when tba's own hooks packed the tensor. Checked against torch 2.13.
+_saved_tensor_register_hooks: Any = None  # the original method while wrapped
+
+
+def wrap_saved_tensor_register_hooks(translate: Any) -> None:
+    """Replace ``SavedTensor.register_hooks`` by a wrapper that calls the original and, on a
+    RuntimeError, raises ``translate(error)`` instead when that returns an exception. Idempotent."""
+    global _saved_tensor_register_hooks
+    cls = torch._C._autograd.SavedTensor
+    if _saved_tensor_register_hooks is not None:
+        return
+    original = cls.register_hooks
+
+    def register_hooks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except RuntimeError as error:
+            better = translate(error)
+            if better is None:
+                raise
+            raise better from error
+
+    register_hooks.__doc__ = original.__doc__
+    register_hooks._tba_wrapper = True  # type: ignore[attr-defined]
+    _saved_tensor_register_hooks = original
+    cls.register_hooks = register_hooks
+
+
+def unwrap_saved_tensor_register_hooks() -> None:
+    """Put the original ``SavedTensor.register_hooks`` back. Idempotent."""
+    global _saved_tensor_register_hooks
+    original, _saved_tensor_register_hooks = _saved_tensor_register_hooks, None
+    if original is not None:
+        torch._C._autograd.SavedTensor.register_hooks = original

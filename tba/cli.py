@@ -3,6 +3,7 @@
     tba plan --model llama3-8b --gpu h100 --drive optane-p5800x-1.6tb   # feasibility on paper
     tba rok --quick --out /tmp/rok                                       # ROK curve, measured
     LD_PRELOAD=$(tba hook --path) torchrun train.py                      # cuFile registration
+    tba check my_checks:tiny_model --offloader ssd --force               # parity on your model
 
 Each subcommand takes ``--help``. ``python -m tba.plan`` and ``python -m tba.malloc_hook``
 run the same code as ``tba plan`` and ``tba hook``.
@@ -28,6 +29,12 @@ def _hook(argv: list[str], prog: str) -> int:
     return main(argv, prog=prog)
 
 
+def _check(argv: list[str], prog: str) -> int:
+    from tba.testing._cli import main
+
+    return main(argv, prog=prog)
+
+
 def _rok(argv: list[str], prog: str) -> int:
     from tba.rok import main
 
@@ -37,6 +44,7 @@ def _rok(argv: list[str], prog: str) -> int:
 _COMMANDS: dict[str, tuple[Callable[[list[str], str], int], str]] = {
     "plan": (_plan, "estimate activation bytes, write bandwidth and SSD lifetime (GPT/BERT/T5/Llama presets)"),
     "rok": (_rok, "measure Recompute / Offload / Keep curves (activation peak vs throughput)"),
+    "check": (_check, "train MODULE:FACTORY's model with and without tba and compare bit for bit"),
     "hook": (_hook, "locate the CUDA malloc hook for LD_PRELOAD (--path | --env | --status)"),
 }
 

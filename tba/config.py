@@ -42,6 +42,10 @@ class TensorCacheConfig:
             before it (in forward order) start loading.
         max_inflight_bytes: bound on the bytes of stores queued or running; a pack that would
             exceed it waits (backpressure), so a slow disk cannot pin unbounded memory.
+        transfer_timeout_s: the longest tba waits for its offloader to make progress (forward
+            waiting for room under ``max_inflight_bytes``, backward waiting for a load, close
+            waiting for a running transfer) before raising :class:`tba.TBAError` naming what it
+            waited for: a stuck disk or offloader fails the step instead of hanging it.
         num_store_threads: worker threads that run stores (FIFO).
         num_load_threads: worker threads that run loads (FIFO; loads go before stores).
         skip_modules: module types, or ``fnmatch`` patterns of qualified module names
@@ -96,6 +100,7 @@ class TensorCacheConfig:
     keep_last_modules: int = 1
     prefetch_modules: int = 2
     max_inflight_bytes: int = 1 << 30
+    transfer_timeout_s: float = 300.0
     num_store_threads: int = 1
     num_load_threads: int = 1
     skip_modules: tuple[type[nn.Module] | str, ...] = ()
@@ -164,6 +169,12 @@ class TensorCacheConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < minimum:
                 out.append(f"{name}={value!r}: expected an integer >= {minimum}")
+        timeout = self.transfer_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            out.append(
+                f"transfer_timeout_s={timeout!r}: expected a number of seconds > 0 (how long a "
+                "wait for the offloader may go without progress)"
+            )
         overhead = self.max_step_overhead
         if overhead is not None and (
             isinstance(overhead, bool) or not isinstance(overhead, (int, float))

@@ -26,14 +26,14 @@ REPO = Path(__file__).resolve().parents[1]
 def test_help_lists_the_commands(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(f"  {name}" in out for name in ("plan", "rok", "hook"))
+    assert all(f"  {name}" in out for name in ("plan", "rok", "check", "hook"))
     assert cli.main([]) == 2 and "usage: tba COMMAND" in capsys.readouterr().err
     assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"tba {tba.__version__}"
 
 
 def test_unknown_command_names_the_choices(capsys):
     assert cli.main(["plot"]) == 2
-    assert "unknown command 'plot'; choose from plan, rok, hook" in capsys.readouterr().err
+    assert "unknown command 'plot'; choose from plan, rok, check, hook" in capsys.readouterr().err
 
 
 def test_subcommands_forward_their_arguments(capsys):
@@ -48,9 +48,12 @@ def test_subcommands_forward_their_arguments(capsys):
     with pytest.raises(SystemExit):
         cli.main(["rok", "--strategies", "nope"])
     assert "unknown strategies ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    assert capsys.readouterr().out.startswith("usage: tba check")
 
 
-@pytest.mark.parametrize("package", ["plan", "rok"])
+@pytest.mark.parametrize("package", ["plan", "rok", "testing"])
 def test_tool_packages_have_no_import_cycle(package):
     # A package's modules import their siblings (``from tba.plan._types import ...`` or
     # ``from tba.plan import _report``), never a name defined by the package's __init__.

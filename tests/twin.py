@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ def run_twins(
     settle: bool = False,
     settle_timeout_s: float = 60.0,
     on_configure: Callable[[tba.TensorCache], None] | None = None,
+    around: Callable[[nn.Module], contextlib.AbstractContextManager] | None = None,
     **options: Any,
 ) -> tba.TensorCache:
     """Train ``steps`` Adam steps twice from one initial state: once with tba (``options``),
@@ -38,7 +40,8 @@ def run_twins(
     ``cache.wait_for_stores(settle_timeout_s)`` before its backward: every store has completed,
     so backward reads offloaded tensors back instead of cancelling their stores (pair it with
     :func:`assert_bytes_moved`). ``on_configure`` is called with the new cache before the first
-    forward.
+    forward. ``around(model)``, if given, makes a context manager that each microbatch's forward
+    and backward of ``model`` (either twin) run inside (the script's own saved-tensor hooks).
 
     RNG is reseeded identically before each microbatch of both runs, so dropout masks match
     only if tba consumes no random numbers.
@@ -61,10 +64,11 @@ def run_twins(
                 losses = []
                 for micro in range(microbatches):
                     torch.manual_seed(1000 * step + micro)
-                    loss = forward(net, make_batch(1000 * step + micro))
-                    if settle and label == "tba":
-                        cache.wait_for_stores(settle_timeout_s)
-                    loss.backward()
+                    with around(net) if around is not None else contextlib.nullcontext():
+                        loss = forward(net, make_batch(1000 * step + micro))
+                        if settle and label == "tba":
+                            cache.wait_for_stores(settle_timeout_s)
+                        loss.backward()
                     losses.append(loss.detach())
                 if label == "reference":
                     ref_losses = losses

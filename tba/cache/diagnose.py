@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tba import _torch_compat as compat
-from tba.cache.entries import Handle
+from tba.cache.engine import Handle
 from tba.cache.policy import Boundary
 from tba.cache.stats import CacheStats, format_bytes
 from tba.config import TensorCacheConfig
@@ -36,9 +36,9 @@ __all__ = ["NoOffloadDiagnosis"]
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
-    """A parameter, or a view of one (``linear`` saves ``weight.t()``)."""
+    """A parameter (trainable or frozen), or a view of one (``linear`` saves ``weight.t()``)."""
     base = tensor._base if tensor._base is not None else tensor
-    return base.requires_grad and base.is_leaf
+    return (base.requires_grad and base.is_leaf) or isinstance(base, torch.nn.Parameter)
 
 
 class _Sample:
@@ -51,10 +51,15 @@ class _Sample:
         self.max_managed_bytes = 0
         self.num_kept_by_policy = 0  # managed, large enough, not marked for offload
         self.num_marked = 0  # entries marked for offload
+        self.num_passed = 0  # on offload_devices, of a kind tba leaves to autograd
+        # Saves the script's own pack kept (Note [Outer saved-tensor hooks]).
+        self.num_outer_passed = 0
+        self.outer_pack: Any = None
 
     @property
     def num_saved(self) -> int:
-        return self.num_managed + sum(self.num_unmanaged.values())
+        return (self.num_managed + sum(self.num_unmanaged.values()) + self.num_passed
+                + self.num_outer_passed)
 
 
 class NoOffloadDiagnosis:
@@ -64,10 +69,16 @@ class NoOffloadDiagnosis:
         config: the cache's configuration.
         boundary: the offloaded-block boundary (and the adaptive decision).
         offloading: whether the cache has an offloader (with ``"none"`` nothing is meant to go).
+        blocks_note: how the blocks were chosen when the model has no repeated blocks (named
+            in the reasons), or None.
     """
 
-    def __init__(self, config: TensorCacheConfig, boundary: Boundary, offloading: bool) -> None:
+    def __init__(
+        self, config: TensorCacheConfig, boundary: Boundary, offloading: bool,
+        blocks_note: str | None = None,
+    ) -> None:
         self._config = config
+        self._blocks_note = blocks_note
         self._boundary = boundary
         self.sampling = offloading
         self._offloading = offloading
@@ -90,14 +101,17 @@ class NoOffloadDiagnosis:
                 sample.num_managed += 1
                 if entry.nbytes > sample.max_managed_bytes:
                     sample.max_managed_bytes = entry.nbytes
-                if entry.offload:
+                if entry.xfer is not None:
                     sample.num_marked += 1
                 elif entry.nbytes >= min_bytes:
                     sample.num_kept_by_policy += 1
             elif type(packed) is tuple:
+                if _is_parameter(tensor):
+                    return packed
                 kind = tensor.device.type
-                if kind in devices or _is_parameter(tensor):
-                    return packed  # left to autograd for another reason (a parameter, ...)
+                if kind in devices:  # a kind tba passes through (Note [What tba manages])
+                    sample.num_passed += 1
+                    return packed
                 sample.num_unmanaged[kind] += 1
                 try:
                     nbytes = tensor.untyped_storage().nbytes()
@@ -109,6 +123,13 @@ class NoOffloadDiagnosis:
 
         compat.keep_dynamo_out(sampled_pack)  # Note [tba under torch.compile]
         return sampled_pack
+
+    def outer_passed(self, outer_pack: Any) -> None:
+        """The script's own pack hook returned something tba does not manage (Note [Outer
+        saved-tensor hooks]): that save stays with the script's hooks."""
+        sample = self._sample
+        sample.num_outer_passed += 1
+        sample.outer_pack = outer_pack
 
     def forward_skipped(self, in_backward: bool) -> str | None:
         """A forward of the model ran with grad disabled (``in_backward``: as a recomputation
@@ -131,13 +152,17 @@ class NoOffloadDiagnosis:
         )
 
     # ------------------------------------------------------------------ step end
-    def step_finished(self, step: CacheStats, step_number: int) -> str | None:
+    def step_finished(
+        self, step: CacheStats, step_number: int, renumbered: bool = False
+    ) -> str | None:
         """A step finished with counters ``step``: gives (and returns) the warning if it
         offloaded nothing and the evidence is not a passing accident.
 
         While no step has offloaded anything, every reason counts, except that stores which
         were all cancelled (a step shorter than a store: timing) must happen in a second step
-        too. Once a step has offloaded, only a decision of the adaptive policy to keep every
+        too, and a step whose forward numbered the blocks again (``renumbered``: Note [Blocks
+        in run order]; it kept the tail of the declared order) is judged by the next step.
+        Once a step has offloaded, only a decision of the adaptive policy to keep every
         block is warned about; one step that happens to finish before its stores is not.
         Sampling ends with the first step that offloaded or with the warning."""
         sample, self._sample = self._sample, _Sample()
@@ -150,6 +175,8 @@ class NoOffloadDiagnosis:
             self.sampling = False
             return None
         if sampled:
+            if renumbered:
+                return None
             reasons = self.reasons(step, sample, without_grad, in_backward)
             only_cancelled = sample.num_marked > 0 and len(reasons) == 1 and not step.num_io_errors
             if only_cancelled and step_number < 2:
@@ -188,7 +215,26 @@ class NoOffloadDiagnosis:
                 "no tensor saved for backward reached tba during the step's forward "
                 + (f"({', '.join(skipped)}) " if skipped else "")
                 + "(run the forward with grad enabled and outside a reentrant "
-                "torch.utils.checkpoint; nothing saves activations when nothing requires grad)"
+                "torch.utils.checkpoint; nothing saves activations when nothing requires grad"
+                + (f"; tba steps aside inside skip_modules={config.skip_modules!r}"
+                   if config.skip_modules else "")
+                + ")"
+            )
+        if sample.num_outer_passed:
+            name = getattr(sample.outer_pack, "__qualname__", None) or repr(sample.outer_pack)
+            out.append(
+                f"{sample.num_outer_passed} save(s) went to the script's own saved-tensor hooks "
+                f"(pack hook {name}), entered around the model's forward, whose pack returned "
+                "something tba does not manage (not a tensor on offload_devices): tba passes "
+                "those to the script's hooks as they are (README, What the cache guarantees)"
+            )
+        if sample.num_passed and not sample.num_managed:
+            out.append(
+                f"{sample.num_passed} saved tensor(s) on {config.offload_devices!r} are of kinds "
+                "tba leaves to autograd (no bytes of their own: meta, zero and empty tensors; "
+                "sparse, strided nested and quantized tensors; conjugate and negative views; "
+                "subclasses other than DTensor, jagged NestedTensor and float8; README, What "
+                "the cache guarantees)"
             )
         if sample.num_unmanaged:
             kinds = ", ".join(
@@ -232,6 +278,18 @@ class NoOffloadDiagnosis:
         what = (
             f"{num_kept} saved storage(s) large enough to offload" if num_kept else "storages"
         )
+        note = self._blocks_note
+        if boundary.default_tail_start == 0 and note is not None:
+            return (
+                f"the model has no blocks of its own: {note}; keep_last_modules="
+                f"{config.keep_last_modules} keeps all {boundary.num_blocks} of them in memory, "
+                f"so {what} stayed in memory"
+            )
+        if boundary.default_tail_start == 0:
+            return (
+                f"keep_last_modules={config.keep_last_modules} keeps all {boundary.num_blocks} "
+                f"blocks in memory: {what} stayed in memory (lower keep_last_modules)"
+            )
         if decision is not None and decision.tail_start == 0:
             return (
                 f"the adaptive policy keeps every block in memory ({decision.reason}; forward "
@@ -240,11 +298,6 @@ class NoOffloadDiagnosis:
                 f"{format_bytes(sum(decision.block_bytes))} offloadable per step): "
                 f"{what} stayed in memory (adaptive=False offloads anyway; a faster offloader "
                 "or larger steps let the policy offload)"
-            )
-        if boundary.default_tail_start == 0:
-            return (
-                f"keep_last_modules={config.keep_last_modules} keeps all {boundary.num_blocks} "
-                f"blocks in memory: {what} stayed in memory (lower keep_last_modules)"
             )
         return (
             f"{what} were saved in the kept tail (blocks {boundary.tail_start} and later, "

@@ -41,6 +41,22 @@ class StepProfile:
     def add_bytes(self, block: int, num_bytes: int) -> None:
         self.block_bytes[block] += num_bytes
 
+    def renumber(self, new_index: list[int]) -> None:
+        """The blocks were numbered again (Note [Blocks in run order]): block ``b`` is now
+        ``new_index[b]``."""
+        block_bytes = [0] * self.num_blocks
+        for old, new in enumerate(new_index):
+            block_bytes[new] = self.block_bytes[old]
+        self.block_bytes = block_bytes
+        self._spans = [
+            (new_index[block] if block is not None else None, start, end, waited)
+            for block, start, end, waited in self._spans
+        ]
+        self._open = {
+            (new_index[block] if block is not None else None): starts
+            for block, starts in self._open.items()
+        }
+
     def finish(self) -> tuple[list[float], float]:
         """Per-block forward seconds and total forward seconds."""
         block_s = [0.0] * self.num_blocks

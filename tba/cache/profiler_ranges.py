@@ -33,7 +33,7 @@ def unit_name(scope: Any) -> str:
     """The name of the unit whose forward saved into ``scope`` (the model itself for tensors
     saved outside every unit)."""
     unit = getattr(scope, "unit", None)
-    return unit.name if unit is not None else "model"
+    return (unit.name if unit is not None else "") or "model"  # "": the model as its one unit
 
 
 def transfer_range(kind: str, entry: Any) -> contextlib.AbstractContextManager:
@@ -56,6 +56,6 @@ class LoadDone(threading.Event):
     def wait(self, timeout: float | None = None) -> bool:
         if not profiler_enabled():
             return super().wait(timeout)
-        name = self._unit.name if self._unit is not None else "model"
+        name = (self._unit.name if self._unit is not None else "") or "model"
         with torch.profiler.record_function(f"tba::stall {name}"):
             return super().wait(timeout)

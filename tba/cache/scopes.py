@@ -9,25 +9,40 @@ its scopes in forward order, which backward walks in reverse to prefetch.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 if TYPE_CHECKING:
-    from tba.cache.entries import Entry
+    from tba.cache.engine.entries import Entry
 
 __all__ = ["Unit", "find_units", "matches", "Scope", "Record", "ForwardPass"]
 
 
-@dataclasses.dataclass(eq=False)
 class Unit:
-    """A module that opens scopes. ``block_index`` is its position among the blocks, or None."""
+    """A module that opens scopes. ``block_index`` is its position among the blocks, or None.
 
-    module: nn.Module
-    name: str
-    block_index: int | None
+    Note [Graphs do not own the model]: scopes (hence entries, hence autograd's handles) refer
+    to their unit; the unit refers to its module only weakly, so a live graph never keeps the
+    model, its hooks or its cache alive."""
+
+    __slots__ = ("_module", "name", "block_index")
+
+    def __init__(self, module: nn.Module, name: str, block_index: int | None) -> None:
+        self._module = weakref.ref(module)
+        self.name = name
+        self.block_index = block_index
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        assert module is not None, f"tba bug: the module of unit {self.name!r} was collected"
+        return module
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, block_index={self.block_index})"
 
 
 def matches(module: nn.Module, name: str, specs: tuple) -> bool:
@@ -132,16 +147,27 @@ class Scope:
 
 
 class Record:
-    """One forward pass (one microbatch of one stage): its scopes in forward order."""
+    """One forward pass of the model (one microbatch of one stage): its scopes in forward
+    order, and where it stands (Note [Step boundaries] in tba/cache/tracker.py)."""
 
-    __slots__ = ("key", "scopes", "keep_tail", "in_tail", "backward_started")
+    __slots__ = (
+        "key", "seq", "scopes", "keep_tail", "in_tail", "forward_done", "backward_started",
+        "backward_task", "backward_done", "num_handles", "detached", "grad_fn_hooks",
+    )
 
-    def __init__(self, key: tuple[int, int], keep_tail: bool) -> None:
+    def __init__(self, key: tuple[int, int], keep_tail: bool, seq: int = 0) -> None:
         self.key = key
+        self.seq = seq  # order of the forwards
         self.scopes: list[Scope] = []
         self.keep_tail = keep_tail  # whether the last blocks stay in memory for this pass
         self.in_tail = False  # forward has reached the kept tail
+        self.forward_done = False
         self.backward_started = False
+        self.backward_task = -1  # the autograd graph task its backward last ran in
+        self.backward_done = False
+        self.num_handles = 0  # live handles of its saves: 0 after forward = its graph is gone
+        self.detached = False  # its step ended (a later backward of it starts a step again)
+        self.grad_fn_hooks: list[Any] = []
 
 
 class ForwardPass:

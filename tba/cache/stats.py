@@ -14,9 +14,8 @@ class CacheStats:
     """Counters of one completed step (``TensorCache.stats()``) or of every step so far
     (``TensorCache.stats(cumulative=True)``).
 
-    A step runs from a forward of the model until every activation it saved was released by
-    backward (with pipeline hints: until the scheduler announces no further action for this
-    module and everything is released).
+    A step is one or more forwards of the model and the backward passes of their graphs (Note
+    [Step boundaries] in tba/cache/tracker.py; with pipeline hints, the whole schedule).
 
     Attributes:
         num_steps: steps these counters cover.

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,16 +28,16 @@ _BANDWIDTH_DRIFT = 1.5  # re-profile when measured write bandwidth moves by this
 
 
 class Steps:
-    """Tracks the running step and keeps the finished ones' counters.
+    """Keeps the finished steps' counters and runs the adaptive cycle.
 
-    A step opens at a forward of the model and finishes (``finish``, called by the cache) when
-    everything it saved was released. With ``adaptive``, the step ``profile_step`` is profiled
-    and the boundary decided from it; a change of input shapes, of forwards per step, or of the
-    measured write bandwidth schedules a new profile; with ``max_step_overhead`` the rule's
-    boundary is then checked against measured step time (Note [Closed loop]). With
-    ``activation_budget_bytes`` the
-    profiled step decides the budget boundary instead (Note [Budget mode]), and every later step
-    whose measured peak exceeds the budget moves it. All methods run under the cache's lock.
+    The step tracker (tba/cache/tracker.py) says where steps begin and end: ``begin_forward``
+    at each forward, ``finish`` when a step ends (Note [Step boundaries]). With ``adaptive``,
+    the step ``profile_step`` is profiled and the boundary decided from it; a change of input
+    shapes, of forwards per step, or of the measured write bandwidth schedules a new profile;
+    with ``max_step_overhead`` the rule's boundary is then checked against measured step time
+    (Note [Closed loop]). With ``activation_budget_bytes`` the profiled step decides the budget
+    boundary instead (Note [Budget mode]), and every later step whose measured peak exceeds the
+    budget moves it. All methods run under the cache's lock.
     """
 
     def __init__(
@@ -55,8 +55,6 @@ class Steps:
         self._boundary = boundary
         self._offloader = offloader
         self._on_cuda = on_cuda
-        self.open = False
-        self.backward_seen = False
         self.last = CacheStats()
         self.total = CacheStats()
         self.history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
@@ -86,17 +84,16 @@ class Steps:
             else None
         )
 
-    def begin_forward(self, args: Any) -> None:
-        """A forward of the model starts: open a step if none is, profile it if due."""
-        if not self.open:
-            self.open = True
-            self.backward_seen = False
+    def begin_forward(self, inputs: Any, opened: bool) -> None:
+        """A forward of the model starts (``opened``: it opened a step) with ``inputs`` (its
+        positional and keyword arguments): profile it if due."""
+        if opened:
             if self.clock is None:
                 self.clock = default_clock(self._on_cuda())
             self._step_start = self.clock.mark() if self.loop is not None else None
         self._num_forwards += 1
         if self._deciding:
-            self._check_signature(args)
+            self._check_signature(inputs)
         due = self._profile_due
         if self.profile is None and due is not None and self._num_done + 1 >= due:
             self._boundary.set(self._boundary.default_tail_start)
@@ -112,8 +109,6 @@ class Steps:
     def finish(self, step: CacheStats, peak_held_bytes: int) -> CacheStats:
         """Close the running step with its counters ``step``: record them, decide or
         re-profile, size the offloader from ``peak_held_bytes`` once."""
-        self.open = False
-        self.backward_seen = False
         self.last = step
         self.total = self.total.merged(step)
         self._num_done += 1
@@ -124,6 +119,8 @@ class Steps:
             self._step_start = None
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
+        if forwards == 0:  # a step of backward alone (Note [Step boundaries]): not a new shape
+            forwards = self._forwards_per_step or 0
         if self._forwards_per_step not in (None, forwards) and decision is not None:
             self._reprofile(f"{forwards} forwards per step instead of {self._forwards_per_step}")
         self._forwards_per_step = forwards
@@ -278,20 +275,23 @@ class Steps:
             stacklevel=1,
         )
 
-    def _check_signature(self, args: Any) -> None:
-        signature = tuple(tuple(t.shape) for t in tensors_in(args))
+    def _check_signature(self, inputs: Any) -> None:
+        """Re-profile when the shapes of the tensors in ``inputs`` change: positional and
+        keyword arguments alike, nested in tuples, lists and dicts (``model(**batch)``)."""
+        signature = tuple(tuple(t.shape) for t in tensors_in(inputs, max_depth=6))
         if self._signature is not None and signature != self._signature and self._boundary.decision:
             self._reprofile(f"input shapes changed ({self._signature} -> {signature})")
         self._signature = signature
 
 
-def tensors_in(output: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors in a module's output or arguments (tuples, lists and dicts, 3 levels deep)."""
+def tensors_in(output: Any, depth: int = 0, max_depth: int = 3) -> Iterator[torch.Tensor]:
+    """Tensors in a module's output or arguments (tuples, lists and mappings, ``max_depth``
+    levels deep)."""
     if isinstance(output, torch.Tensor):
         yield output
-    elif depth < 3 and isinstance(output, (tuple, list)):
+    elif depth < max_depth and isinstance(output, (tuple, list)):
         for item in output:
-            yield from tensors_in(item, depth + 1)
-    elif depth < 3 and isinstance(output, dict):
+            yield from tensors_in(item, depth + 1, max_depth)
+    elif depth < max_depth and isinstance(output, Mapping):
         for item in output.values():
-            yield from tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1, max_depth)

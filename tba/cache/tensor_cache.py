@@ -1,9 +1,20 @@
 """`TensorCache`: the public face of the cache (stats, summary, stage hints, close).
 
-The work is split by owner: ``hooks`` (module and saved-tensor hooks, per-thread forward
-state), ``table`` (identity, reference counts, release), ``transfers`` (the entry state
-machine, workers, their lock, counters and trace), ``steps`` (step boundaries, history and the
-adaptive cycle). Lock order: hooks -> table -> transfers.
+The work is split by owner: ``engine`` (Note [One owner of entry life]: entries, their states,
+transfers, counters, under one lock), ``tracker`` (records of the running step, step
+boundaries, prefetch: Note [Step boundaries]), ``saving`` (the pack and unpack hooks),
+``hooks`` (the module hooks), ``steps`` (finished steps' stats and the adaptive cycle).
+
+Note [The model owns its cache]: ``configure_tensor_cache(model)`` works the same whether or
+not its result is kept. The model's module hooks hold the cache strongly; the cache holds the
+model and its hooks only weakly, and nothing autograd keeps (the hook pair of every saved
+tensor, handles, grad_fn pre-hooks, the end-of-backward callback) reaches the cache or the
+model: they refer to the engine and the tracker only. Worker threads refer to the engine and
+drop each job's locals when it is done. So the cache lives exactly as long as the model (or the
+user's handle, if longer): when the model is collected its hooks go, the cache is collected,
+and its finaliser stops the workers and closes the offloader (removing the SSD directory). A
+graph still alive then raises a TBAError at its next unpack. ``close()`` and configuring the
+model again end a cache the same way.
 """
 
 from __future__ import annotations
@@ -12,26 +23,26 @@ import collections
 import dataclasses
 import functools
 import logging
-import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 from torch import nn
 
 from tba import _env
+from tba.cache import hook_stack
 from tba.cache.diagnose import NoOffloadDiagnosis
-from tba.cache.entries import State
+from tba.cache.engine import Engine
 from tba.cache.hooks import CacheHooks
 from tba.cache.policy import Boundary, BoundaryDecision
+from tba.cache.run_order import RunOrder
+from tba.cache.saving import SavedTensors
 from tba.cache.scopes import Unit, find_units
 from tba.cache.stages import StageHint
 from tba.cache.stats import CacheStats, format_summary
 from tba.cache.steps import Steps
 from tba.cache.streams import DeviceStreams, StreamLayer
-from tba.cache.table import EntryTable
 from tba.cache.trace import TraceRecorder
-from tba.cache.transfers import Transfers
+from tba.cache.tracker import StepTracker
 from tba.config import TensorCacheConfig
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
@@ -42,18 +53,23 @@ __all__ = ["TensorCache", "StageHint"]
 logger = logging.getLogger(__name__)
 
 
-def _on_cuda(model: nn.Module) -> bool:
-    param = next(model.parameters(), None)
+def _on_cuda(model_ref: weakref.ref) -> bool:
+    model = model_ref()
+    param = next(model.parameters(), None) if model is not None else None
     return param is not None and param.device.type == "cuda"
 
 
-def _store_wait_s(engine: Transfers) -> float:
+def _store_wait_s(engine: Engine) -> float:
     return engine.step.store_wait_s
 
 
-def _shutdown(engine: Transfers, offloader: Offloader | None) -> None:
+def _shutdown(engine: Engine, tracker: StepTracker, saved: SavedTensors, offloader: Offloader | None) -> None:
     """Stop the workers and release the offloader of a cache that was closed or collected."""
-    engine.close([])
+    saved.closed = True
+    hook_stack.detach()  # Note [register_hooks on a saved tensor]
+    with engine.lock:
+        tracker.close()
+    engine.close()
     if offloader is not None:
         offloader.close()
 
@@ -65,9 +81,10 @@ class TensorCache:
     ``saved_tensors_hooks`` around each forward of the model itself and finds step boundaries
     itself; errors from its I/O threads are raised on the training thread.
 
-    A cache dropped without ``close()`` is collected with its model (worker threads stopped,
-    offloader closed); a copy of the model (``copy.deepcopy``, ``torch.save``) is not
-    configured.
+    The model owns its cache (Note [The model owns its cache]): keeping the result of
+    ``configure_tensor_cache`` is optional (``tba.get_tensor_cache(model)`` finds it again),
+    and the cache is closed with ``close()``, by configuring the model again, or when the model
+    is collected. A copy of the model (``copy.deepcopy``, ``torch.save``) is not configured.
     """
 
     def __init__(
@@ -78,69 +95,97 @@ class TensorCache:
         *,
         streams: StreamLayer | None = None,
     ) -> None:
-        self.model = model
+        self._model = weakref.ref(model)
         self.config = config
         self.offloader = offloader
-        self._engine = Transfers(
+        engine = self._engine = Engine(
             offloader,
             streams if streams is not None else DeviceStreams(),
             num_store_threads=config.num_store_threads,
             num_load_threads=config.num_load_threads,
             max_inflight_bytes=config.max_inflight_bytes,
+            min_offload_bytes=config.min_offload_bytes,
             on_io_error=config.on_io_error,
+            timeout_s=config.transfer_timeout_s,
             trace=TraceRecorder(),
         )
         self.units: list[Unit] = find_units(model, config.block_modules)
         self.num_blocks = sum(u.block_index is not None for u in self.units)
+        blocks_note = None
         if self.num_blocks == 0:
-            # No repeated blocks: the root's children take their place in forward order.
+            # No repeated blocks: the root's children take their place (in the order they
+            # run: Note [Blocks in run order]); a model without children is its one block.
+            if not self.units:
+                self.units = [Unit(model, "", 0)]
+                blocks_note = (
+                    f"{type(model).__name__} has no submodules, so its whole forward is one "
+                    "block (give the model submodules for its stages and name them with "
+                    "block_modules= to offload all but the last ones, or pass "
+                    "keep_last_modules=0 to offload every save of its forward)"
+                )
+            else:
+                blocks_note = (
+                    f"no repeated blocks were found in {type(model).__name__} (no "
+                    f"nn.ModuleList of blocks), so its {len(self.units)} child modules are the "
+                    "blocks (name finer blocks with block_modules=, e.g. "
+                    "block_modules=(MyBlock,) or block_modules=('encoder.layer*',), or lower "
+                    "keep_last_modules)"
+                )
             for index, unit in enumerate(self.units):
                 unit.block_index = index
             self.num_blocks = len(self.units)
+        self._run_order = RunOrder(self.units)
         self.boundary = Boundary(self.num_blocks, config.keep_last_modules)
         self._steps = Steps(
-            config, self.boundary, offloader, functools.partial(_on_cuda, model),
-            functools.partial(_store_wait_s, self._engine), self._engine.reserve_later,
+            config, self.boundary, offloader, functools.partial(_on_cuda, self._model),
+            functools.partial(_store_wait_s, engine), engine.reserve_later,
         )
-        engine = self._engine
-        self._table = EntryTable(
-            config.min_offload_bytes, engine.drop, self._on_empty_weak(),
-            engine_busy=lambda: engine.lock._is_owned(),  # Note [Releases from the collector]
+        self._tracker = tracker = StepTracker(
+            engine.lock, engine._drain_locked, engine.raise_pending, self.boundary, config.prefetch_modules,
+            engine.prefetch if offloader is not None else None, self._weak_finish_step(),
         )
-        # Live graphs hold the hooks (autograd keeps the unpack hook with every saved
-        # tensor): the hooks hold the cache only weakly, so a graph never keeps it alive.
-        self._hooks = CacheHooks(
-            model, config, self.units, self._table, self._engine, self._steps, self.boundary,
-            weakref.WeakMethod(self._finish_step),
+        tracker.on_forward_end = self._steps.end_forward
+        engine.on_records_dead = tracker.records_dead
+        self._saved = SavedTensors(
+            engine, tracker, frozenset(config.offload_devices), offloader is not None,
+            config.min_offload_bytes,
         )
         # What set_stage saw, in order (bounded): the integrations' tests compare it with the
         # schedule's own order.
         self.stage_log: collections.deque[tuple[int, int | None, str]] = collections.deque(
             maxlen=1 << 16
         )
-        # Note [Loud when it does nothing]
-        self._diagnosis = NoOffloadDiagnosis(config, self.boundary, offloader is not None)
-        if self._diagnosis.sampling:
-            self._hooks.sampled_pack = self._diagnosis.wrap(
-                lambda tensor, hooks=self._hooks: hooks._pack(tensor)
-            )
-            self._hooks.on_forward_skipped = self._diagnosis.forward_skipped
         self._check = _env.check_invariants()
-        self._stats_lock = threading.Lock()
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._engine, offloader)
-        self._hooks.install()
+        hook_stack.attach()  # undone by _shutdown
+        self._finalizer = weakref.finalize(self, _shutdown, engine, tracker, self._saved, offloader)
+        hooks = CacheHooks(self, model, config, self.units, engine, tracker, self._saved,
+                           self._steps, self._run_order)
+        self._hooks = weakref.ref(hooks)  # the model holds them (and through them, this cache)
+        # Note [Loud when it does nothing]
+        self._diagnosis = NoOffloadDiagnosis(config, self.boundary, offloader is not None,
+                                             blocks_note)
+        if self._diagnosis.sampling:
+            hooks.sampled_pack = self._diagnosis.wrap(self._saved.pack)
+            hooks.on_forward_skipped = self._diagnosis.forward_skipped
+            hooks.on_outer_passed = self._diagnosis.outer_passed
 
     # ------------------------------------------------------------------ public API
+    @property
+    def model(self) -> nn.Module | None:
+        """The configured model (None once it was collected)."""
+        return self._model()
+
     def stats(self, cumulative: bool = False) -> CacheStats:
         """Counters of the last completed step, or totals over all steps with ``cumulative``."""
-        self._table.drain_if_safe()
-        self._raise_violation()
-        with self._stats_lock:
-            out = dataclasses.replace(self._steps.total if cumulative else self._steps.last)
+        with self._engine.lock:
+            self._engine._drain_locked()
+            steps = self._steps
+            out = dataclasses.replace(steps.total if cumulative else steps.last)
             out.tiers = {name: dataclasses.replace(tier) for name, tier in out.tiers.items()}
-            return out
+        self._raise_pending()
+        return out
 
     @property
     def adaptive_decision(self) -> BoundaryDecision | None:
@@ -154,10 +199,11 @@ class TensorCache:
         """A readable table of the last ``last`` steps: bytes offloaded, forwarded,
         deduplicated and kept, GB/s, stall, peak resident, and which blocks were offloaded,
         followed by the last decision (``adaptive_decision``) with its measurements and reason."""
-        self._table.drain_if_safe()
-        with self._stats_lock:
+        with self._engine.lock:
+            self._engine._drain_locked()
             rows = list(self._steps.history)[-last:]
             tiers = self._steps.total.tiers
+        self._raise_pending()
         return format_summary(rows, self.num_blocks, self.boundary.decision,
                               self._diagnosis.warning, tiers)
 
@@ -174,8 +220,8 @@ class TensorCache:
             TBAError: stores are still in flight after ``timeout_s`` seconds.
             OffloadIOError: a store failed (with ``on_io_error="raise"``).
         """
-        self._table.drain_if_safe()
         self._engine.wait_for_stores(timeout_s)
+        self._raise_pending()
 
     def set_stage(
         self,
@@ -201,12 +247,18 @@ class TensorCache:
         """
         hint = StageHint(stage, microbatch, action, next_stage, next_microbatch, next_action)
         self.stage_log.append((stage, microbatch, action))
-        self._hooks.set_stage(hint)
+        with self._engine.lock:
+            self._tracker.set_stage(hint)
+        self._raise_pending()
 
     def add_close_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the cache is closed (``configure_tensor_cache`` unregisters
         the cache from the integrations' registry this way)."""
         self._on_close.append(callback)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Remove every hook tba installed and drop everything it holds. Idempotent.
@@ -220,15 +272,16 @@ class TensorCache:
         if self._closed:
             return
         self._closed = True
-        self._hooks.remove()
-        entries = self._table.close()
-        self._engine.close(entries)
+        hooks = self._hooks()
+        with self._engine.lock:
+            if hooks is not None:
+                hooks.remove()
         self._finalizer()
         callbacks, self._on_close = self._on_close, []
         for callback in callbacks:
             callback()
         if self._engine.dead is None:  # a dead worker was raised in the steps already
-            self._raise_violation()
+            self._raise_pending()
 
     def __enter__(self) -> TensorCache:
         return self
@@ -244,57 +297,53 @@ class TensorCache:
         history = self._steps.history
         ran_at = history[-1][2] if history else self.boundary.tail_start
         offloaded = ran_at if last.offloaded_bytes > 0 else 0
+        model = self.model
         return (
-            f"TensorCache(model={type(self.model).__name__}, offloader={name!r}, "
-            f"blocks={self.num_blocks}, steps={steps}, offloaded_blocks={offloaded}, "
-            f"offloaded_bytes={last.offloaded_bytes} (last step), closed={self._closed})"
+            f"TensorCache(model={type(model).__name__ if model is not None else None}, "
+            f"offloader={name!r}, blocks={self.num_blocks}, steps={steps}, "
+            f"offloaded_blocks={offloaded}, offloaded_bytes={last.offloaded_bytes} (last step), "
+            f"closed={self._closed})"
         )
 
     # ------------------------------------------------------------------ steps
-    def _on_empty_weak(self) -> Callable[[], None]:
-        ref = weakref.ref(self)
+    def _weak_finish_step(self) -> Callable[[], None]:
+        ref = weakref.WeakMethod(self._finish_step)
 
-        def on_empty() -> None:
-            cache = ref()
-            if cache is not None:
-                cache._hooks.on_empty()
+        def on_step_end() -> None:
+            finish = ref()
+            if finish is not None:
+                finish()
 
-        return on_empty
+        return on_step_end
 
     def _finish_step(self) -> None:
-        """Close the running step (hooks lock held)."""
-        engine, table = self._engine, self._table
+        """Close the running step (engine lock held: the tracker decided it ended)."""
+        engine, saved = self._engine, self._saved
         step = engine.take_step()
-        step.num_packed, step.num_deduplicated, step.num_family_entries = table.take_counts()
-        hooks = self._hooks
-        step.num_captured, hooks.num_captured = hooks.num_captured, 0
-        step.num_record_stream, hooks.num_record_stream = hooks.num_record_stream, 0
+        step.num_captured, saved.num_captured = saved.num_captured, 0
+        step.num_record_stream, saved.num_record_stream = saved.num_record_stream, 0
         step.tiers = take_tier_stats(self.offloader)
-        with self._stats_lock:
-            self._steps.finish(step, engine.peak_held_bytes)
+        self._steps.finish(step, engine.peak_held_bytes)
+        saved.profile = self._steps.profile
+        hooks = self._hooks()
         diagnosis = self._diagnosis
         if diagnosis.warning is None:
-            diagnosis.step_finished(step, self._steps.total.num_steps)
-            if not diagnosis.sampling:
-                self._hooks.sampled_pack = None
+            diagnosis.step_finished(step, self._steps.total.num_steps,
+                                    self._run_order.take_renumbered())
+            if not diagnosis.sampling and hooks is not None:
+                hooks.sampled_pack = hooks.on_outer_passed = None
         engine.trace.end_step()
-        self._hooks.step_finished()
-        self._hooks.note_compile()
+        if hooks is not None:
+            hooks.note_compile()
         if self._check:
             self._check_invariants()
 
     def _check_invariants(self) -> None:
         """Note [Cache invariants]: after a completed step the counters equal what the live
-        entries hold (none when backward released everything: nothing in flight, nothing
-        resident, nothing held by the offloader)."""
-        entries = self._table.entries()
-        offloader = self.offloader
-        problems = self._engine.check(entries)
-        if (
-            offloader is not None
-            and not self._engine.transfers_of_dropped_running
-            and not any(e.token is not None or e.state is State.STORING for e in entries)
-        ):
+        entries hold, and the offloader holds nothing when no entry holds offloaded data."""
+        engine, offloader = self._engine, self.offloader
+        problems = engine.check()
+        if offloader is not None and not engine.holds_offloaded_data():
             used = getattr(offloader, "used_bytes", None)
             if isinstance(used, int) and used != 0:
                 problems.append(
@@ -307,13 +356,11 @@ class TensorCache:
                 f"{self._steps.total.num_steps}: " + "; ".join(problems)
             )
             logger.error("%s", violation)
-            self._engine.set_error(violation)  # raised in the training step
+            engine.set_error(violation)  # raised in the training step
 
-    def _raise_violation(self) -> None:
+    def _raise_pending(self) -> None:
+        from tba.cache import interrupts
+
+        if interrupts.pending:
+            interrupts.raise_pending()
         self._engine.raise_pending()
-
-
-    # ------------------------------------------------------------------ for tests
-    @property
-    def _transfers(self) -> Transfers:
-        return self._engine

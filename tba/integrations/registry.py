@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CacheLike", "register", "unregister", "lookup", "registered"]
+__all__ = ["CacheLike", "register", "unregister", "lookup", "registered", "get"]
 
 
 class CacheLike(Protocol):
@@ -67,6 +67,12 @@ def register(cache: Any, module: torch.nn.Module) -> None:
             )
         _refs[module] = weakref.ref(cache)
         _memo.clear()
+
+
+def get(module: torch.nn.Module) -> Any | None:
+    """The cache registered for ``module`` itself, or None."""
+    with _lock:
+        return _get(module)
 
 
 def _get(module: torch.nn.Module) -> Any | None:

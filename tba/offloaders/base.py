@@ -22,10 +22,14 @@ class Offloader(Protocol):
     training thread or, with ``on_io_error="keep"``, keeps the tensor in memory.
 
     Optional: ``store_now(storage) -> token | None``. For small CPU storages (Note [Small
-    transfers inline] in tba/cache/workers.py) the cache calls it on the training thread at pack
-    time, with no lock held; it must return at once (no allocation, no I/O wait): a token, or
-    None to have the storage stored by ``store`` on a worker. A token from it is loaded with
-    ``load`` on the thread that unpacks the tensor. ``HostOffloader`` implements it.
+    transfers inline] in tba/cache/engine/workers.py) the cache calls it on the training thread
+    at pack time, inside its critical section (Note [Interrupt-safe bookkeeping]); it must
+    return at once (no allocation, no I/O wait): a token, or None to have the storage stored by
+    ``store`` on a worker. A token from it is loaded with ``load`` on the thread that unpacks
+    the tensor, also inside that section. ``HostOffloader`` implements it.
+
+    ``release`` runs on the training thread inside the cache's critical section too: it must
+    only give space back (no I/O wait).
 
     Example:
         >>> class Mine:

@@ -48,10 +48,9 @@ class HostOffloader:
     once.
 
     Note [Reserve off the training thread]: the pool grows (doubling) while the first steps
-    run; the cache then reports the profiled peak (``reserve``). The cache calls ``reserve``
-    from where a step finishes, which can be a ``Handle.__del__`` on the autograd thread with
-    the cache's locks held, so ``reserve`` only records the size (under a lock that is never
-    held while memory is allocated, pinned or copied). The next ``store`` that finds its pool
+    run; the cache then reports the profiled peak (``reserve``, on its store worker, while
+    other workers may be storing or loading), so ``reserve`` only records the size (under a
+    lock that is never held while memory is allocated, pinned or copied). The next ``store`` that finds its pool
     empty, on a store worker thread, gives the old slabs back and allocates one slab of the
     reserved size; so the pool never holds old and new slabs at once.
 
@@ -199,7 +198,7 @@ class HostOffloader:
 
     def store_now(self, storage: torch.UntypedStorage) -> _Token | None:
         """Store a small CPU ``storage`` on the calling thread if the pageable pool has room
-        without growing (Note [Small transfers inline] in tba/cache/transfers.py); None leaves
+        without growing (Note [Small transfers inline] in tba/cache/engine/workers.py); None leaves
         it to ``store`` on a worker (no room, a reserve pending, or not a CPU storage)."""
         if storage.device.type != "cpu":
             return None

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tba.testing import probe
+
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
 
@@ -190,17 +192,15 @@ def test_parameters_never_offloaded() -> None:
     model = TransposedParam()
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with tba.configure_tensor_cache(model, **OPTIONS) as cache:
-        packed, managed = [], []
-        original_pack, original_add = cache._hooks._pack, cache._transfers.add
-        cache._hooks._pack = lambda t: packed.append(t) or original_pack(t)  # type: ignore[method-assign]
-        cache._transfers.add = lambda e: managed.append(e.data.data_ptr()) or original_add(e)  # type: ignore[method-assign]
-        model(torch.randn(8, 16)).backward()
+        with probe(cache).watch_saves() as saves:
+            model(torch.randn(8, 16)).backward()
     # The weight was saved as itself, as a transpose and as a view ...
-    saved_param_views = [t for t in packed if t.untyped_storage().data_ptr() in param_ptrs]
+    saved_param_views = [s for s in saves if s.storage_ptr in param_ptrs]
     assert len(saved_param_views) >= 3
-    assert any(not t.is_contiguous() for t in saved_param_views)
+    assert any(not s.contiguous for s in saved_param_views)
     # ... and none of them became a cache entry, while activations did.
-    assert managed and not set(managed) & param_ptrs
+    managed = {s.storage_ptr for s in saves if s.managed}
+    assert managed and not managed & param_ptrs
 
 
 class SavedAtTwoVersions(nn.Module):

@@ -11,6 +11,7 @@ import torch
 
 import tba
 from tba.cache.policy import estimate_peak, solve_budget
+from tba.testing import probe
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
 
@@ -71,7 +72,7 @@ def test_budget_met_with_the_fewest_blocks_bit_exact() -> None:
     cache = run_twins(lambda: models.Stack(num_blocks=_BLOCKS), models.vector_batch, steps=6,
                       settle=True, offloader="host", activation_budget_bytes=budget, **_CPU)
     assert_bytes_moved(cache)
-    history = list(cache._steps.history)
+    history = list(probe(cache).history)
     assert len(history) == 6
     for number, stats, tail_start in history:
         assert 0 < stats.peak_resident_bytes <= budget, (number, stats.peak_resident_bytes, budget)
@@ -105,8 +106,8 @@ def test_overshooting_step_moves_the_boundary() -> None:
             loss = model(models.vector_batch(step))
             cache.wait_for_stores(60)
             loss.backward()
-        tails = [t for _, _, t in cache._steps.history]
-        peaks = [s.peak_resident_bytes for _, s, _ in cache._steps.history]
+        tails = [t for _, _, t in probe(cache).history]
+        peaks = [s.peak_resident_bytes for _, s, _ in probe(cache).history]
     assert tails[2] == 0 and peaks[2] > budget, (tails, peaks)  # the optimistic estimate
     assert tails[3:] == [3, 3, 3], (tails, peaks)  # corrected from the measured peak
     assert cache.adaptive_decision.profiled_at_step == 2
@@ -124,7 +125,7 @@ def test_impossible_budget_warns_with_numbers() -> None:
                 loss = model(models.vector_batch(step))
                 cache.wait_for_stores(60)
                 loss.backward()
-            history = list(cache._steps.history)
+            history = list(probe(cache).history)
     messages = [str(w.message) for w in caught if "activation_budget_bytes" in str(w.message)]
     assert len(messages) == 1, messages  # once
     message = messages[0]

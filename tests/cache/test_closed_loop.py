@@ -16,6 +16,7 @@ import torch
 
 import tba
 from tba.offloaders.host import HostOffloader
+from tba.testing import probe
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
 
@@ -112,8 +113,8 @@ def test_backs_off_under_contention_and_offloads_again_bit_exact() -> None:
                       settle=True, forward=forward, on_configure=configure, offloader=offloader,
                       offload_devices=("cpu",), min_offload_bytes=0)
     assert_bytes_moved(cache)
-    tails = [t for _, _, t in cache._steps.history]
-    offloaded = [s.offloaded_bytes for _, s, _ in cache._steps.history]
+    tails = [t for _, _, t in probe(cache).history]
+    offloaded = [s.offloaded_bytes for _, s, _ in probe(cache).history]
     # 1-2 profile at 5; 3-14 runs of two keep and two at 5; 15-26 keep and 2; 27-30 steady
     # at 2 (contention gone from 27); 31 profiled again (periodic re-check); 32-43 keep and 5;
     # 44-46 steady at 5.
@@ -174,7 +175,7 @@ def test_max_step_overhead_none_is_the_rule_alone() -> None:
         assert cache._steps.loop is None
         for step in range(5):
             model(models.vector_batch(step)).backward()
-        assert all(t == 5 for _, _, t in cache._steps.history)
+        assert all(t == 5 for _, _, t in probe(cache).history)
 
 
 def test_max_step_overhead_is_validated() -> None:
@@ -200,7 +201,7 @@ def test_no_keep_steps_without_memory_for_them() -> None:
             cache.wait_for_stores(60)
             loss.backward()
         decision = cache.adaptive_decision
-        tails = [t for _, _, t in cache._steps.history]
+        tails = [t for _, _, t in probe(cache).history]
     assert tails == [5] * 6, tails
     assert decision.reason.startswith("closed loop not measuring: a step keeping every block "
                                       "would hold"), decision.reason

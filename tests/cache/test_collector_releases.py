@@ -1,6 +1,7 @@
-"""Note [Releases from the collector]: handles freed by the garbage collector while this thread
-holds the table's, the engine's or an offloader's lock are released later, never deadlock the
-thread."""
+"""Handles freed by the garbage collector (Note [Interrupt-safe bookkeeping]): a handle's death
+only queues its release (a weak reference's C-level callback), wherever the collector runs,
+also inside tba's lock or an offloader's; the release is done at tba's next entry point. No
+deadlock, nothing re-entered half-way, nothing leaked."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import tba
+from tba.testing import probe
 from tests import models
 
 JOIN_S = 60.0
@@ -41,39 +43,27 @@ def _run_bounded(fn) -> None:
         raise errors[0]
 
 
-@pytest.mark.parametrize("where", ["table", "engine", "offloader"])
-def test_handles_collected_under_a_cache_lock_are_released_later(
+@pytest.mark.parametrize("where", ["engine", "offloader"])
+def test_handles_collected_under_a_lock_are_released_later(
     monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    import tba.cache.table as table_module
-    import tba.cache.transfers as transfers_module
+    import tba.cache.engine.core as core
 
     model = models.Stack(num_blocks=3)
     reference = models.Stack(num_blocks=3)
     reference.load_state_dict(model.state_dict())
     collected: list[int] = []
-    armed: list = []  # holds the cache's table once the cycle exists
-    deferred_inside: list[int] = []
+    armed: list = []  # holds the cache's probe once the cycle exists
+    queued_inside: list[int] = []
 
     def collect_once() -> None:
         if armed and not collected:
             collected.append(gc.collect())
-            # Still inside the lock: the collected handles' releases must be queued, not run
-            # here (re-entering the table or the engine in the middle of a critical section).
-            deferred_inside.append(len(armed[0]._deferred))
+            # Still inside the lock: the collected handles' releases are queued, not run here
+            # (re-entering the engine in the middle of a critical section).
+            queued_inside.append(armed[0].num_released_pending)
 
-    if where == "table":  # the collector runs while a new entry is made, table lock held
-        real_entry = table_module.Entry
-
-        class CollectingEntry(real_entry):  # type: ignore[misc, valid-type]
-            __slots__ = ()
-
-            def __init__(self, *args, **kwargs) -> None:
-                collect_once()
-                super().__init__(*args, **kwargs)
-
-        monkeypatch.setattr(table_module, "Entry", CollectingEntry)
-    elif where == "offloader":  # inside the host pool's lock (taking an extent for a store)
+    if where == "offloader":  # inside the host pool's lock (taking an extent for a store)
         from tba.offloaders.host import HostOffloader
 
         real_take = HostOffloader._take
@@ -83,29 +73,25 @@ def test_handles_collected_under_a_cache_lock_are_released_later(
             return real_take(self, pinned, num_bytes)
 
         monkeypatch.setattr(HostOffloader, "_take", take)
-    else:  # the collector runs inside the engine's lock (a new entry's accounting)
-        real_note = transfers_module.Transfers._note_peak
+    else:  # the collector runs inside the engine's lock (a new entry is made)
+        real_entry = core.Entry
 
-        def collecting_note(self) -> None:
-            collect_once()
-            real_note(self)
+        class CollectingEntry(real_entry):  # type: ignore[misc, valid-type]
+            __slots__ = ()
 
-        monkeypatch.setattr(transfers_module.Transfers, "_note_peak", collecting_note)
-        real_add = transfers_module.Transfers.add
-
-        def add(self, entry) -> None:
-            with self.lock:  # the engine lock held, as in every critical section
+            def __init__(self, *args, **kwargs) -> None:
                 collect_once()
-            real_add(self, entry)
+                super().__init__(*args, **kwargs)
 
-        monkeypatch.setattr(transfers_module.Transfers, "add", add)
+        monkeypatch.setattr(core, "Entry", CollectingEntry)
 
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                     min_offload_bytes=0, adaptive=False) as cache:
+        view = probe(cache)
         gc.disable()  # the collection happens exactly where the test puts it
         try:
             _cycle_holding_a_graph(model)
-            armed.append(cache._table)  # the next entry (or engine section) runs the collector
+            armed.append(view)  # the next entry (or host-pool extent) runs the collector
 
             def step() -> None:
                 torch.manual_seed(0)
@@ -115,10 +101,10 @@ def test_handles_collected_under_a_cache_lock_are_released_later(
         finally:
             gc.enable()
         assert collected and collected[0] > 0, "the planted collection found no cycle"
-        assert deferred_inside and deferred_inside[0] > 0, "releases ran inside the lock"
-        assert not cache._table._deferred  # every deferred release was done ...
-        assert cache._table.num_entries == 0  # ... the cycle's entries too
-        assert not cache._engine.check([])
+        assert queued_inside and queued_inside[0] > 0, "releases ran inside the lock"
+        assert view.num_entries == 0  # every queued release was done, the cycle's entries too
+        assert view.num_released_pending == 0
+        assert not view.check_invariants()
     torch.manual_seed(0)
     reference(models.vector_batch(0)).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -126,9 +112,9 @@ def test_handles_collected_under_a_cache_lock_are_released_later(
 
 
 @pytest.mark.parametrize("call", ["stats", "summary", "wait_for_stores"])
-def test_a_step_the_collector_ended_is_counted_at_the_next_public_call(call: str) -> None:
-    """Note [Releases from the collector]: the releases the collector queued are done by the
-    cache's next public call, not only by a later forward: the step they end is counted."""
+def test_a_graph_the_collector_freed_is_released_at_the_next_public_call(call: str) -> None:
+    """The releases the collector queued are done by the cache's next public call, not only
+    by a later forward: the step the dead graph belonged to is counted then."""
     model = models.Stack(num_blocks=3)
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                     min_offload_bytes=0, adaptive=False) as cache:
@@ -136,13 +122,15 @@ def test_a_step_the_collector_ended_is_counted_at_the_next_public_call(call: str
         model(models.vector_batch(0)).backward()
         packed_per_step = cache.stats().num_packed
         assert packed_per_step > 0
+        view = probe(cache)
         gc.disable()  # the collection happens exactly where the test puts it
         try:
             _cycle_holding_a_graph(model)  # a forward whose graph only a cycle holds
             assert gc.collect() > 0
         finally:
             gc.enable()
-        assert cache._table._deferred, "the collector's releases were not queued"
+        assert view.num_released_pending > 0, "the collector's releases were not queued"
         getattr(cache, call)()
-        assert not cache._table._deferred and cache._table.num_entries == 0
-        assert cache.stats(cumulative=True).num_packed == 2 * packed_per_step
+        assert view.num_released_pending == 0 and view.num_entries == 0
+        total = cache.stats(cumulative=True)
+        assert total.num_packed == 2 * packed_per_step and total.num_steps == 2

@@ -4,6 +4,7 @@ offloading block by block as in eager, whole-model compile breaking only at tba'
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 
 import tba
 from tba import _torch_compat as compat
+from tba.testing import probe
 from tests import models
 
 dynamo = pytest.importorskip("torch._dynamo")
@@ -58,38 +60,37 @@ def train(recipe: str, with_tba: bool, backend: str = "aot_eager", fullgraph: bo
     dynamo.reset()
     counters.clear()
     runner, cache = build(recipe, with_tba, backend, fullgraph)
-    marked: set[str] = set()
-    if cache is not None:
-        add = cache._transfers.add
-
-        def recording_add(entry: Any) -> None:
-            if entry.offload:
-                marked.add(entry.scope.unit.name if entry.scope.unit is not None else "model")
-            add(entry)
-
-        cache._transfers.add = recording_add  # type: ignore[method-assign]
+    saves: list = []
+    watch = probe(cache).watch_saves() if cache is not None else contextlib.nullcontext(saves)
     params = list(runner.parameters())
     optimizer = torch.optim.Adam(params, lr=1e-3)
     losses, grads = [], []
     try:
-        for step in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            torch.manual_seed(step)
-            loss = runner(models.vector_batch(step))
-            if cache is not None:
-                cache.wait_for_stores(60)
-            loss.backward()
-            losses.append(loss.detach())
-            grads.append([p.grad.clone() for p in params])
-            optimizer.step()
+        with watch as saves:
+            run_steps(runner, cache, optimizer, params, steps, losses, grads)
     finally:
         if cache is not None:
             cache.close()
+    marked = {s.units[-1] if s.units else "model" for s in saves if s.new_entry and s.offloaded}
     return {
         "losses": losses, "grads": grads, "marked": marked,
         "stats": cache.stats(cumulative=True) if cache is not None else None,
         "breaks": dict(counters["graph_break"]),
     }
+
+
+def run_steps(runner, cache, optimizer, params, steps, losses, grads) -> None:
+    """Adam steps; every store completes before backward, so backward reads back."""
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        loss = runner(models.vector_batch(step))
+        if cache is not None:
+            cache.wait_for_stores(60)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in params])
+        optimizer.step()
 
 
 def assert_same_training(reference: dict, run: dict) -> None:

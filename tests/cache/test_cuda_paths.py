@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import tba
+from tba.testing import probe
 from tba import _torch_compat as compat
 from tba.cache.tensor_cache import TensorCache
 from tests import models
@@ -101,9 +102,10 @@ def test_subclasses_not_known_safe_stay_with_autograd() -> None:
     cache = make_cache(model, FakeOffloader())
     try:
         tensor = PendingWork(torch.randn(64))
-        packed = cache._hooks._pack(tensor)
+        pack, unpack = probe(cache).saved_tensor_hooks
+        packed = pack(tensor)
         assert type(packed) is tuple and packed[0] is tensor
-        assert cache._hooks._unpack(packed) is tensor
+        assert unpack(packed) is tensor
     finally:
         cache.close()
 

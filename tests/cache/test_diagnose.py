@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import tba
+from tba.testing import probe
 import tba.cache.stats as stats_module
 from tba.cache.stats import format_bytes
 from tests import models
@@ -84,8 +85,8 @@ def saved_activations(model: torch.nn.Module) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- steps when nothing is managed
 def test_steps_are_counted_when_nothing_is_managed() -> None:
-    # CPU model, default offload_devices=("cuda",): tba manages nothing. A step ends at the
-    # next forward (the table is empty), so 4 forward/backward pairs complete 3 steps.
+    # CPU model, default offload_devices=("cuda",): tba manages nothing. A forward that leaves
+    # tba nothing to hold ends its step when it ends (Note [Step boundaries]): 4 steps.
     model = models.Stack()
     num_saved, largest = saved_activations(models.Stack())
     with caught() as messages:
@@ -94,12 +95,12 @@ def test_steps_are_counted_when_nothing_is_managed() -> None:
             total = cache.stats(cumulative=True)
             summary = cache.summary()
             text = repr(cache)
-    assert total.num_steps == 3 and total.num_packed == 0 and total.offloaded_bytes == 0
+    assert total.num_steps == 4 and total.num_packed == 0 and total.offloaded_bytes == 0
     rows = [line for line in summary.splitlines() if line.strip()[:1].isdigit()]
-    assert [row.split()[0] for row in rows] == ["1", "2", "3"], summary
+    assert [row.split()[0] for row in rows] == ["1", "2", "3", "4"], summary
     assert all(row.endswith("none of 6") for row in rows), summary
     assert "no completed step" not in summary
-    assert "steps=3" in text and "offloaded_blocks=0" in text and "offloaded_bytes=0" in text
+    assert "steps=4" in text and "offloaded_blocks=0" in text and "offloaded_bytes=0" in text
     assert len(messages) == 1, messages
     (message,) = messages
     assert "step 1 offloaded nothing" in message
@@ -177,9 +178,9 @@ def test_forward_that_saves_nothing_says_so() -> None:
             with torch.no_grad():
                 model(models.vector_batch(0))  # not a step: no warning from this one
             for i in range(3):
-                model(models.vector_batch(i))
+                model(models.vector_batch(i))  # a step each: it leaves tba nothing to hold
             steps = cache.stats(cumulative=True).num_steps
-    assert steps == 2
+    assert steps == 3
     assert len(messages) == 1, messages
     assert "no tensor saved for backward reached tba" in messages[0]
 
@@ -198,12 +199,12 @@ class _Clock:
 
 
 def test_adaptive_keep_everything_names_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tba.cache.transfers as transfers
-    import tba.cache.workers as workers
+    import tba.cache.engine.waits as waits
+    import tba.cache.engine.workers as workers
 
     clock = _Clock()
-    monkeypatch.setattr(workers, "time", clock)  # the workers time the stores ...
-    monkeypatch.setattr(transfers, "time", clock)  # ... and the small ones stored inline
+    monkeypatch.setattr(workers, "time", clock)  # the workers time the stores, inline ones too
+    monkeypatch.setattr(waits, "time", clock)  # ... and the engine its waits
     model = models.Stack()
     with caught() as messages:
         # The embedding (before every block) is skipped so that "keep every block" keeps all.
@@ -269,9 +270,9 @@ def test_no_warning_when_offloading_or_with_offloader_none() -> None:
             pass
     assert_bytes_moved(cache)
     assert messages == []
-    assert none._diagnosis.sampling is False
+    assert probe(none).sampling is False
     # Sampling ended with the first step that offloaded: forwards enter the bare pack hook.
-    assert cache._hooks.sampled_pack is None
+    assert probe(cache).sampling is False
     assert "offloaded_blocks=5" in repr(cache) and "steps=3" in repr(cache)
 
 

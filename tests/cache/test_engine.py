@@ -1,6 +1,6 @@
-"""The transfer engine's state machine under gated fakes (issue 11): forwarding of a running
-store, the in-flight budget when graphs die with queued stores, prefetch order and look-ahead,
-close() and live graphs, and the invariant check (Note [Cache invariants])."""
+"""The engine's state machine under gated fakes: forwarding of a running store, the in-flight
+budget when graphs die with queued stores, prefetch order and look-ahead, close() and live
+graphs, and the invariant check (Note [Cache invariants])."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 
 import tba
 from tba.cache.tensor_cache import TensorCache
+from tba.testing import probe
 from tests import models
 from tests.cache.fakes import FakeOffloader, bare_engine
 
@@ -126,11 +127,11 @@ def test_graphs_dying_with_queued_stores_leak_no_budget() -> None:
     try:
         assert done.wait(JOIN_S), "forward hung: the in-flight budget leaked"
         assert not errors, errors
-        engine = cache._engine
         offloader.gate.set()
         cache.wait_for_stores(JOIN_S)
-        assert engine.inflight_bytes == 0
-        assert engine.resident_bytes == 0 and cache._table.num_entries == 0
+        view = probe(cache)
+        assert view.counters["inflight_bytes"] == 0
+        assert view.counters["resident_bytes"] == 0 and view.num_entries == 0
         stats = cache.stats(cumulative=True)
         assert stats.num_cancelled > 0 and stats.num_steps >= 19
     finally:
@@ -146,10 +147,10 @@ def test_budget_is_returned_when_cancelled_stores_die_under_a_tight_bound() -> N
     offloader.gate = threading.Event()
     model = models.Stack(num_blocks=3)
     x = models.vector_batch(0)
-    probe = make_cache(model, FakeOffloader())
+    measure = make_cache(model, FakeOffloader())
     model(x).backward()
-    per_step = probe.stats().offloaded_bytes + probe.stats().kept_bytes
-    probe.close()
+    per_step = measure.stats().offloaded_bytes + measure.stats().kept_bytes
+    measure.close()
     # The store held at the gate occupies at most one step of the budget; a leak of the
     # cancelled bytes (about one step per dead graph) fills the rest within two steps.
     cache = make_cache(model, offloader, max_inflight_bytes=2 * per_step)
@@ -209,44 +210,43 @@ def test_kept_scopes_use_no_look_ahead() -> None:
 
 def test_close_removes_the_hooks_of_live_graphs() -> None:
     """A graph built with the cache and still alive at close() must not keep the cache (its
-    grad_fn pre-hooks are removed)."""
+    grad_fn pre-hooks are removed) and fails its backward with a TBAError that says why."""
     model = models.Stack(num_blocks=3)
     cache = make_cache(model, FakeOffloader(), keep_last_modules=0)
     loss = model(models.vector_batch(0))
-    handles = list(cache._hooks._grad_fn_hooks)
-    assert handles, "the forward registered no grad_fn pre-hook"
+    view = probe(cache)
+    assert view.num_grad_fn_hooks, "the forward registered no grad_fn pre-hook"
     cache.close()
-    for handle in handles:
-        hooks = handle.hooks_dict_ref()
-        assert hooks is None or handle.id not in hooks, "close() left a grad_fn pre-hook"
+    assert view.num_grad_fn_hooks == 0 and view.num_module_hooks == 0
     ref = weakref.ref(cache)
-    del cache
+    del cache, view
     gc.collect()
     assert ref() is None, "a live graph still references the closed cache"
-    with pytest.raises(tba.TBAError, match="after TensorCache.close"):
+    with pytest.raises(tba.TBAError, match="after its tensor cache was closed"):
         loss.backward()
 
 
 def test_invariant_check_names_the_broken_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Cache invariants]: a counter that drifts from what the entries hold is reported
     after the step, in the training step, naming the invariant and the numbers."""
+    from tba.cache.engine.core import Engine
+
     monkeypatch.setenv("TBA_CHECK_INVARIANTS", "1")
     model = models.Stack(num_blocks=3)
     cache = make_cache(model, FakeOffloader())
+    original = Engine._drop
+
+    def leaky_drop(self, entry):
+        original(self, entry)
+        self.resident_bytes += 1  # a plausible accounting slip
+
     try:
-        original = cache._engine.drop
-
-        def leaky_drop(entry):
-            original(entry)
-            cache._engine.resident_bytes += 1  # a plausible accounting slip
-
-        cache._table._on_drop = leaky_drop
         model(models.vector_batch(0)).backward()
+        monkeypatch.setattr(Engine, "_drop", leaky_drop)
         with pytest.raises(tba.TBAError, match="invariant violated.*resident_bytes is"):
             model(models.vector_batch(1)).backward()
     finally:
-        cache._table._on_drop = original
-        cache._engine.resident_bytes = 0
+        monkeypatch.undo()
         cache.close()
 
 
@@ -254,15 +254,15 @@ def test_fetch_of_a_running_store_keeps_the_bytes_without_prefetch() -> None:
     """The engine alone: unpack (fetch) of an entry whose store is running, with no prefetch
     before it, keeps the bytes in memory once the store finishes: a second fetch reads
     nothing and the bytes stay counted as resident."""
-    from tba.cache.entries import State
+    from tba.cache.engine import State
 
     offloader = FakeOffloader()
     offloader.gate = threading.Event()
     saved = torch.arange(1024, dtype=torch.float32)
-    engine, entry = bare_engine(offloader, saved)
+    engine, handle = bare_engine(offloader, saved)
+    entry = handle.entry
     storage = saved.untyped_storage()
     try:
-        engine.add(entry)
         engine.flush()
         assert offloader.store_started.acquire(timeout=JOIN_S), "the store never started"
         assert entry.state is State.STORING
@@ -275,45 +275,16 @@ def test_fetch_of_a_running_store_keeps_the_bytes_without_prefetch() -> None:
         assert again is data and offloader.num_loads == 0 and engine.step.num_sync_loads == 0
     finally:
         offloader.gate.set()
-        engine.drop(entry)
-        engine.close([])
-    assert engine.resident_bytes == 0
-
-
-def test_prefetch_looks_past_kept_scopes() -> None:
-    """Entering backward at the kept tail starts the loads of the first ``prefetch_modules``
-    offloaded blocks before it: kept blocks use none of the look-ahead."""
-    from tba.cache.entries import State
-
-    offloader = FakeOffloader()
-    offloader.gate = None
-    model = models.Stack(num_blocks=6)
-    cache = make_cache(model, offloader, prefetch_modules=1, keep_last_modules=2)
-    try:
-        loss = model(models.vector_batch(0))
-        cache.wait_for_stores(JOIN_S)
-        (record,) = cache._hooks.records.values()
-        scopes = record.scopes
-        kept = [s for s in scopes if s.keep]
-        offloaded = [s for s in scopes if not s.keep and s.entries]
-        assert len(kept) >= 3 and offloaded, "the model no longer has a kept tail of several scopes"
-        cache._hooks.prefetch_from(scopes[-1])  # what entering the last scope's backward does
-        nearest = max(offloaded, key=lambda s: s.index)
-        farther = [s for s in offloaded if s.index < nearest.index]
-        loading = (State.LOADING, State.READY)
-        assert all(e.state in loading for e in nearest.entries if e.offload), \
-            "the nearest offloaded block was not prefetched past the kept blocks"
-        assert all(e.state is State.STORED for s in farther for e in s.entries if e.offload), \
-            "prefetch looked further than prefetch_modules"
-        loss.backward()
-    finally:
-        cache.close()
+        del handle, entry
+        engine.drain()
+        engine.close()
+    assert engine.resident_bytes == 0 and not engine.check()
 
 
 def test_a_dead_worker_surfaces_in_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """Note [Dead workers]: an exception escaping a worker loop (a tba bug) is raised in the
     training step, and again in every later one, instead of leaving forward waiting forever."""
-    import tba.cache.workers as workers
+    import tba.cache.engine.workers as workers
 
     def broken(storage):
         raise RuntimeError("planted bug")

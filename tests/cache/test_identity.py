@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
+from tba.testing import probe
+
 from tests.twin import assert_bytes_moved, run_twins
 
 # Every tensor offloaded, and a pack that creates an entry waits for the previous store to
@@ -188,19 +190,17 @@ class StoreAtEachPack:
     """Makes every pack of ``cache`` wait until its store has completed, so a storage is
     written right when it is first saved, before the kernel changes another family's part of
     it (inside one GRU cell there is no second new entry for max_inflight_bytes=1 to wait on).
-    Wraps the cache's pack hook (a private name): ``num_calls`` proves the wrapper ran."""
+    ``num_calls`` proves it ran."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
         self.num_calls = 0
-        self.pack = cache._hooks._pack
-        cache._hooks._pack = self
+        self._watch = probe(cache).watch_saves(on_save=self)
+        self._watch.__enter__()  # for the cache's whole life
 
-    def __call__(self, tensor: torch.Tensor):
-        packed = self.pack(tensor)
+    def __call__(self, save) -> None:
         self.num_calls += 1
         self.cache.wait_for_stores(60)
-        return packed
 
 
 @pytest.mark.parametrize("kind", RECURRENT)
@@ -211,7 +211,7 @@ def test_recurrent_small_bit_exact(kind: str, offloader: str, tmp_path: Path) ->
                       settle=True, on_configure=lambda c: wrappers.append(StoreAtEachPack(c)),
                       **SMALL, **offloader_options(offloader, tmp_path))
     assert_bytes_moved(cache)
-    assert wrappers[0].num_calls > 0, "the cache no longer packs through CacheHooks._pack"
+    assert wrappers[0].num_calls > 0, "no save was watched"
 
 
 @pytest.mark.slow

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import tba
-from tba.cache.entries import State
-from tba.cache.workers import INLINE_MAX_BYTES
+from tba.cache.engine import State
+from tba.cache.engine.workers import INLINE_MAX_BYTES
 from tba.errors import OffloadIOError
 from tba.offloaders.host import HostOffloader
+from tba.testing import probe
 from tests import models
 from tests.cache.fakes import bare_engine
 from tests.twin import assert_bytes_moved, run_twins
@@ -144,9 +145,9 @@ def test_an_inline_load_failure_is_raised_in_backward_then_a_retry_reads_it() ->
 
 
 def test_a_second_thread_waits_for_an_inline_load_and_gets_the_same_bytes() -> None:
-    """The engine alone: thread A reads an inline entry back (held inside ``load``); thread B
-    wants the same entry meanwhile. B waits for A's load (no second read) and both get the
-    same storage."""
+    """The engine alone: thread A reads an inline entry back (held inside ``load``, inside the
+    engine's critical section); thread B wants the same entry meanwhile. B waits for A's load
+    (no second read) and both get the same storage."""
     gate, started = threading.Event(), threading.Event()
 
     class GatedHost(HostOffloader):
@@ -160,16 +161,19 @@ def test_a_second_thread_waits_for_an_inline_load_and_gets_the_same_bytes() -> N
 
     offloader = GatedHost()
     offloader.release(offloader.store(torch.zeros(16, dtype=torch.uint8)))  # a slab with room
-    engine, entry = bare_engine(offloader, torch.arange(256, dtype=torch.float32))
+    engine, handle = bare_engine(offloader, torch.arange(256, dtype=torch.float32))
+    entry = handle.entry
     results: dict[str, object] = {}
+    threads: list[threading.Thread] = []
     try:
-        engine.add(entry)
-        assert entry.state is State.STORED and entry.inline  # stored at once, no worker
+        assert entry.state is State.STORED and entry.xfer.inline  # stored at once, no worker
         a = threading.Thread(target=lambda: results.setdefault("a", engine.fetch(entry)[0]))
+        threads.append(a)
         a.start()
         assert started.wait(JOIN_S), "the inline load never started"
         assert entry.state is State.LOADING
         b = threading.Thread(target=lambda: results.setdefault("b", engine.fetch(entry)[0]))
+        threads.append(b)
         b.start()
         b.join(0.2)
         assert b.is_alive(), "B did not wait for A's load"
@@ -183,8 +187,13 @@ def test_a_second_thread_waits_for_an_inline_load_and_gets_the_same_bytes() -> N
         assert torch.equal(loaded, torch.arange(256, dtype=torch.float32))
     finally:
         gate.set()
-        engine.drop(entry)
-        engine.close([])
+        for thread in threads:
+            thread.join(JOIN_S)
+        del handle
+        entry = None  # the threads' lambdas read this name: release the entry through it
+        engine.drain()
+        assert engine.table.num_entries == 0 and not engine.held_bytes
+        engine.close()
         offloader.close()
 
 
@@ -197,11 +206,11 @@ def test_stores_sent_back_to_the_workers_keep_the_in_flight_bound() -> None:
     seen: list[tuple[int, int]] = []
     model = models.Stack(num_blocks=3)
     with tba.configure_tensor_cache(model, **options(offloader, max_inflight_bytes=1)) as cache:
-        engine = cache._engine
+        view = probe(cache)
         real_store = offloader.store
 
         def store(src):
-            seen.append((engine.inflight_bytes, src.numel()))
+            seen.append((view.counters["inflight_bytes"], src.numel()))
             return real_store(src)
 
         offloader.store = store

@@ -14,6 +14,7 @@ import tba
 from tba.cache.stats import CacheStats
 from tba.offloaders.cpu_time import TransferCPU, charge_cpu
 from tba.offloaders.ssd import SSDOffloader
+from tba.testing import probe
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
 
@@ -32,7 +33,7 @@ def test_io_cpu_is_counted_when_bytes_move(tmp_path: Path, offloader: str) -> No
     )
     total = assert_bytes_moved(cache)
     assert total.io_cpu_s > 0 and total.io_cpu_s_per_gb > 0
-    steps = [stats for _, stats, _ in cache._steps.history]
+    steps = [stats for _, stats, _ in probe(cache).history]
     assert len(steps) == 3 and all(s.io_cpu_s > 0 for s in steps)
     assert total.io_cpu_s == pytest.approx(sum(s.io_cpu_s for s in steps))  # merged by summing
     assert "I/O CPU" in str(total) and "I/O CPU ms" in cache.summary()

@@ -1,7 +1,7 @@
 """The bit-exact models and the adversarial suite through the strict CPU model of the GPU's
 ordering rules (tests/cache/strict.py): no store before its producer event, loads ordered
 after their buffer's allocation on the producer's stream, every reloaded tensor consumed after
-its load event, no offloader call under a cache lock."""
+its load event, no transfer under the cache's lock."""
 
 from __future__ import annotations
 
@@ -52,16 +52,16 @@ def test_gpt2_under_the_strict_model(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_the_strict_model_catches_a_store_that_ignores_its_event(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model is not a rubber stamp: a cache whose stores skip the producer event fails."""
-    from tba.cache import transfers
+    from tba.cache.engine.core import Engine
 
-    real_transfer = transfers.Transfers._store_worker
+    real_transfer = Engine._store_worker
 
     def patched(self):  # stores wait on nothing
         original = self.streams.transfer
         self.streams.transfer = lambda device, kind, wait_for: original(device, kind, None if kind == "store" else wait_for)
         return real_transfer(self)
 
-    monkeypatch.setattr(transfers.Transfers, "_store_worker", patched)
+    monkeypatch.setattr(Engine, "_store_worker", patched)
     with strict_model(monkeypatch) as violations:
         run_twins(models.Stack, models.vector_batch, steps=1, settle=True, **options("host", Path(".")))
     assert any("did not wait on its producer event" in v for v in violations)

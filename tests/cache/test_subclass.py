@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 import tba
+from tba.testing import probe
 
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -48,13 +49,12 @@ for net in (ref, model):
 saved_dtensors = []
 with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                 min_offload_bytes=0, keep_last_modules=0, adaptive=False) as cache:
-    original = cache._hooks._pack
-    cache._hooks._pack = lambda t: saved_dtensors.append(type(t).__name__) or original(t)
-    for step in range(3):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-        a = model(x); a.backward()
-        b = ref(x); b.backward()
-        assert torch.equal(a, b)
+    with probe(cache).watch_saves(on_save=lambda s: saved_dtensors.append(s.tensor_type)):
+        for step in range(3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            a = model(x); a.backward()
+            b = ref(x); b.backward()
+            assert torch.equal(a, b)
     stats = cache.stats(cumulative=True)
 grads_equal = all(
     torch.equal(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad,

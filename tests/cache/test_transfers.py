@@ -13,7 +13,7 @@ import torch
 import tba
 from tba.cache.tensor_cache import TensorCache
 from tests import models
-from tests.cache.fakes import FakeOffloader, RecordingStreams
+from tests.cache.fakes import FakeOffloader, RecordingStreams, bare_engine
 from tests.twin import assert_bytes_moved, run_twins
 
 
@@ -94,31 +94,26 @@ def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
 
 
 def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
-    from tba.cache.entries import Entry, State
-    from tba.cache.streams import DeviceStreams
-    from tba.cache.trace import TraceRecorder
-    from tba.cache.transfers import Transfers
+    from tba.cache.engine import State
 
     offloader = FakeOffloader()
-    transfers = Transfers(offloader, DeviceStreams(), num_store_threads=1, num_load_threads=1,
-                          max_inflight_bytes=1 << 20, on_io_error="raise",
-                          trace=TraceRecorder())
     data = torch.arange(4097, dtype=torch.int64).view(torch.uint8).clone()
     saved = data.clone()
-    entry = Entry(1, 1, saved, saved.untyped_storage(), saved.untyped_storage().nbytes(), True, None)
+    engine, handle = bare_engine(offloader, saved, max_inflight_bytes=1 << 20)
+    entry = handle.entry
     del saved
-    transfers.add(entry)
-    transfers.wait_for_stores(60)
+    engine.wait_for_stores(60)
     assert entry.state is State.STORED
-    assert entry.data is None and transfers.resident_bytes == 0
-    loaded, _ = transfers.fetch(entry)  # nobody prefetched it
+    assert entry.data is None and engine.resident_bytes == 0
+    loaded, _ = engine.fetch(entry)  # nobody prefetched it
     assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(loaded), data)
-    assert transfers.step.num_sync_loads == 1 and transfers.step.reloaded_bytes == data.numel()
-    loaded, _ = transfers.fetch(entry)  # READY now: no second read
+    assert engine.step.num_sync_loads == 1 and engine.step.reloaded_bytes == data.numel()
+    loaded, _ = engine.fetch(entry)  # READY now: no second read
     assert offloader.num_loads == 1
-    transfers.drop(entry)
-    assert offloader.released == [0] and transfers.resident_bytes == 0
-    transfers.close([])
+    del handle, entry, loaded
+    engine.drain()
+    assert offloader.released == [0] and engine.resident_bytes == 0 and not engine.check()
+    engine.close()
 
 
 def test_inflight_bytes_bound_applies_backpressure() -> None:

@@ -121,8 +121,8 @@ def test_reserve_waits_for_an_empty_pool(pinner: FakePinner) -> None:
 
 
 def test_reserve_never_blocks_behind_pinning(pinner: FakePinner) -> None:
-    # Note [Reserve off the training thread]: the cache calls reserve() from Handle.__del__
-    # with its locks held; a store worker pinning a slab must not make it wait.
+    # Note [Reserve off the training thread]: reserve() only records the size; a store worker
+    # pinning a slab must not make it wait.
     off = HostOffloader(allocator=HostAllocator(pinner))
     pinner.gate = threading.Event()
     worker = threading.Thread(target=store_as_cuda, args=(off, torch.zeros(MiB, dtype=torch.uint8)))

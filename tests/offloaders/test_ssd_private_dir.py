@@ -162,3 +162,21 @@ def test_directory_replaced_by_an_empty_directory_is_not_removed(tmp_path: Path)
     directory.mkdir()  # someone else's, empty: an rmdir by name would take it
     off.close()
     assert directory.is_dir() and list(moved.iterdir()) == []
+
+
+def test_a_file_replaced_under_a_slab_name_is_left_in_place(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Only the very file tba created is deleted: another file put under a slab's name (same
+    name, another inode) survives close(), and tba says it left it."""
+    off = SSDOffloader(dirs=(tmp_path,), engine="posix", slab_bytes=1 << 20)
+    try:
+        off.release(off.store(torch.ones(4096, dtype=torch.uint8)))
+        directory = Path(off.directories[0])
+        slab = directory / "slab-0.bin"
+        assert slab.exists()
+        slab.rename(directory / "moved.bin")  # ours, under another name now
+        slab.write_bytes(b"someone else's file")
+    finally:
+        with caplog.at_level("WARNING", logger="tba"):
+            off.close()
+    assert slab.read_bytes() == b"someone else's file"
+    assert "it is not the file tba created" in caplog.text

@@ -14,6 +14,7 @@ import torch
 
 import tba
 from tba.offloaders.ssd._slabs import SlabDir
+from tba.testing import probe
 from tests import models
 from tests.offloaders.ssd_helpers import tamper_every_extent
 from tests.twin import assert_bytes_moved, run_twins
@@ -50,7 +51,7 @@ def test_stack_bit_exact_with_both_tiers(tmp_path: Path, adaptive: bool) -> None
     _check_tiers(cache, _BUDGET)
     assert cache.offloader.name == "host+ssd"
     # Every step spilled: the per-step tiers are the offloader's counters of that step.
-    for _, step, _ in cache._steps.history:
+    for _, step, _ in probe(cache).history:
         assert step.tiers["host"].stored_bytes + step.tiers["ssd"].stored_bytes == step.offloaded_bytes
     summary = cache.summary()
     assert "placement: host held up to" in summary and "budget" in summary

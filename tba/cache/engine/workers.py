@@ -1,0 +1,421 @@
+"""Where the engine's copies run: the store and load worker threads (started, run, and
+reported dead here), and small CPU transfers run inline on the training thread (Note [Small
+transfers inline]). ``TransferWorkers`` is that side of ``Engine``: it uses the engine's lock,
+queues and state machine; every state change goes through ``Engine._apply``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from tba._torch_compat import release_alias, storage_bytes
+from tba.cache.engine.entries import Entry, Transfer
+from tba.cache.engine.states import Event, State
+from tba.cache.profiler_ranges import transfer_range
+from tba.cache.streams import PAGE_BYTES
+from tba.errors import OffloadIOError, TBAError
+from tba.offloaders.cpu_time import TransferCPU
+
+__all__ = ["INLINE_MAX_BYTES", "TransferWorkers"]
+
+logger = logging.getLogger(__name__)
+
+E, S = Event, State
+
+# Note [Small transfers inline]: a store or load handed to a worker thread costs a wake-up and,
+# worse, GIL hand-offs: every torch call on either thread releases the GIL, so a running worker
+# and the training thread trade it at each op (tens of microseconds per small tensor on a 2-core
+# machine, measured by benchmarks/hook_overhead.py), while copying a few KiB between CPU buffers
+# takes under a microsecond. A CPU storage of at most this many bytes is therefore stored on
+# the training thread at pack time when the offloader can take it at once
+# (``store_now(storage)`` returns a token, or None to go through the workers: no room without
+# allocating, a reserve pending, a non-CPU storage), and read back by whoever unpacks it. CUDA
+# storages always go through the workers (their copies wait on streams). Both run inside the
+# engine's lock (a critical section: Note [Interrupt-safe bookkeeping]); the entry's state
+# machine and counters are the same as for a worker's transfer: only the thread differs.
+INLINE_MAX_BYTES = 64 << 10
+
+# Note [Inline CPU time]: ``CacheStats.io_cpu_s`` counts the CPU the transfers take from the
+# host. A worker measures its thread's CPU time around a transfer (``TransferCPU``); an inline
+# transfer is a copy between host buffers on the training thread that never blocks, so the
+# wall time it took (from the same ``perf_counter`` readings that time the transfer for the
+# trace) is its CPU time: reading the thread's CPU clock (a system call, 1 to 2 us here) four
+# times per tiny tensor cost more than the copy.
+
+
+
+def _offloader_error(offloader: Any, what: str, nbytes: int, exc: BaseException) -> BaseException:
+    """``exc`` as the ``OffloadIOError`` raised in the training step."""
+    if isinstance(exc, OffloadIOError):
+        return exc
+    error = OffloadIOError(
+        f"{what} of {nbytes} bytes through the {offloader.name!r} offloader failed: "
+        f"{type(exc).__name__}: {exc}",
+        num_bytes=nbytes,
+    )
+    error.__cause__ = exc
+    return error
+
+
+class TransferWorkers:
+    """Transfer-running methods of ``Engine`` (a mixin: state lives in ``Engine``)."""
+
+    lock: Any
+    cond: Any
+    _store_ready: Any
+    _load_ready: Any
+    _store_q: Any
+    _load_q: Any
+    _threads: list[threading.Thread]
+    _num_threads: dict[str, int]
+    _stopping: bool
+    _reserve_bytes: int
+    _keep_on_error: bool
+    timeout_s: float
+    _warned_keep: bool
+    _warned_resized: bool
+    offloader: Any
+    streams: Any
+    trace: Any
+    step: Any
+    _store_now: Any
+    error: BaseException | None
+    dead: TBAError | None
+    raised_this_step: bool
+    orphans: set[Entry]
+    _apply: Any
+    _notify_done: Any
+    _notify_everyone: Any
+    _release_token: Any
+
+    # ----------------------------------------------------------------- threads
+    def _start_workers(self) -> None:
+        if self._threads or self._stopping:
+            return
+        for kind, target in (("store", self._store_worker), ("load", self._load_worker)):
+            for i in range(self._num_threads[kind]):
+                thread = threading.Thread(
+                    target=self._run_worker, args=(target,), name=f"tba-{kind}-{i}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    def _join_workers(self) -> None:
+        """Wait for the workers to stop (bounded by ``timeout_s``: a stuck offloader call
+        keeps its daemon thread, with a warning)."""
+        deadline = time.monotonic() + self.timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                warnings.warn(
+                    f"tba: transfer worker {thread.name} did not stop within {self.timeout_s:g} s "
+                    f"of close(): an {self.offloader.name!r} offloader call is stuck; the thread "
+                    "is left to finish on its own",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        self._threads = []
+
+    def _run_worker(self, target: Any) -> None:
+        """Note [Dead workers]: an exception escaping a worker loop is a tba bug (offloader
+        failures are caught and accounted inside it). The thread would die silently, and the
+        training thread would then wait for room or for a load; instead every later hook
+        raises a TBAError naming the worker and the cause."""
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the training thread
+            name = threading.current_thread().name
+            dead = TBAError(
+                f"tba bug: transfer worker {name} died ({type(exc).__name__}: {exc}); the cache "
+                "can no longer move tensors: close() it (training without tba is unaffected) "
+                "and report this with the traceback"
+            )
+            dead.__cause__ = exc
+            logger.error("%s", dead, exc_info=exc)
+            with self.lock:
+                if self.dead is None:
+                    self.dead = dead
+                if self.error is None:
+                    self.error = dead  # the hooks' one-attribute check sees it
+                self._notify_everyone()
+
+    # ----------------------------------------------------------------- stores
+    def _store_inline(self, entry: Entry, storage: torch.UntypedStorage, xfer: Transfer) -> bool:
+        """Note [Small transfers inline] (lock held, the entry new): ``store_now``; False when
+        the offloader cannot take it at once (the caller queues it for a worker)."""
+        start = time.perf_counter()
+        try:
+            with transfer_range("store", entry):
+                token = self._store_now(storage)
+        except Exception as exc:  # raised in the training step, never swallowed
+            self._apply(entry, E.QUEUE)
+            self._apply(entry, E.START_STORE)
+            self._store_failed(entry, exc)
+            return True
+        if token is None:
+            return False
+        end = time.perf_counter()
+        # Note [Inline CPU time]: an inline copy never blocks, so its wall time is its CPU time.
+        self.step.io_cpu_s += end - start
+        self.trace.span("store", start, end, entry.nbytes, True)
+        xfer.inline = True
+        xfer.token = token
+        xfer.page_offset = storage.data_ptr() % PAGE_BYTES
+        self.step.write_s += end - start
+        self._apply(entry, E.STORED_INLINE)
+        self._let_go(entry)
+        return True
+
+    def _let_go(self, entry: Entry) -> None:
+        """A stored entry keeps only its version-counter alias (lock held): Note
+        [Saved-version check]."""
+        entry.data = None
+        alias = entry.alias
+        if alias is not None:
+            entry.remember_geometry()
+            release_alias(alias)
+
+    def _store_worker(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stopping and (not self._store_q or self._load_q):
+                    if self._reserve_bytes and not self._load_q:
+                        break
+                    self._store_ready.wait()
+                if self._stopping:
+                    return
+                if self._reserve_bytes and not self._load_q:
+                    # Before the next step's first store: it is sized for them (and a failure
+                    # to reserve surfaces at that store, in the step).
+                    reserve, self._reserve_bytes = self._reserve_bytes, 0
+                    self._reserve_now(reserve)
+                    continue
+                entry = self._store_q.popleft()
+                if entry.state is not S.QUEUED:
+                    continue  # cancelled or dropped while queued
+                storage, xfer = entry.data, entry.xfer
+                assert storage is not None and xfer is not None
+                if storage.nbytes() != entry.nbytes:
+                    self._resized(entry)
+                    continue
+                self._apply(entry, E.START_STORE)
+            self._run_store(entry, storage, xfer)
+            # Note [Workers hold nothing]: a finished job's locals would keep the entry, its
+            # scope and the storage alive while the worker idles.
+            entry = storage = xfer = None  # type: ignore[assignment]
+
+    def _run_store(self, entry: Entry, storage: Any, xfer: Transfer) -> None:
+        """On a store worker, no lock held, the entry STORING: copy ``storage`` out."""
+        start = time.perf_counter()
+        src = storage_bytes(storage)
+        token, failure, cpu = None, None, TransferCPU()
+        try:
+            with cpu, transfer_range("store", entry), self.streams.transfer(xfer.device, "store", xfer.event):
+                token = self.offloader.store(src)
+        except Exception as exc:  # re-raised on the training thread, never swallowed
+            failure = exc
+        end = time.perf_counter()
+        del src
+        self.trace.span("store", start, end, entry.nbytes, failure is None)
+        resized = failure is None and storage.nbytes() != entry.nbytes
+        # Note [Reload buffers at the source's page offset]
+        page_offset = storage.data_ptr() % PAGE_BYTES if storage.device.type == "cpu" else 0
+        del storage
+        with self.lock:
+            self.step.io_cpu_s += cpu.seconds
+            if resized:
+                # Freed or resized while the copy ran: the stored bytes may be garbage. The
+                # token is given back and the entry kept (as an unmanaged save would be).
+                xfer.token = token
+                self._release_token(xfer)
+                self._resized(entry)
+            elif failure is not None:
+                self._store_failed(entry, failure)
+            else:
+                self.step.write_s += end - start
+                xfer.token, xfer.page_offset = token, page_offset
+                new = self._apply(entry, E.STORE_DONE)
+                if new is S.DROPPED:
+                    self.orphans.discard(entry)
+                    self._release_token(xfer)
+                elif new is S.STORED:
+                    self._let_go(entry)
+        # An exception kept in a local until the next store would keep its traceback,
+        # hence the failed step's tensors, alive while the worker idles.
+        failure = None
+
+    def _reserve_now(self, nbytes: int) -> None:
+        """On the store worker, lock held on entry and exit (released around the call)."""
+        self.cond.release()
+        try:
+            self.offloader.reserve(nbytes)
+        except Exception as exc:  # raised in the training step, never swallowed
+            failure: BaseException | None = exc
+        else:
+            failure = None
+        finally:
+            self.cond.acquire()
+            self._notify_done()  # wait_for_stores waits for this too
+        if failure is not None:
+            self.step.num_io_errors += 1
+            if self.error is None:
+                if isinstance(failure, OffloadIOError):
+                    self.error = failure
+                else:
+                    error = OffloadIOError(
+                        f"reserving {nbytes} bytes in the {self.offloader.name!r} offloader "
+                        f"failed: {type(failure).__name__}: {failure}", num_bytes=nbytes,
+                    )
+                    error.__cause__ = failure
+                    self.error = error
+
+    def _resized(self, entry: Entry) -> None:
+        """Note [Storages freed behind tba's back] (lock held): frameworks free storages with
+        ``storage.resize_(0)`` (FSDP1 flat parameters, Megatron/TE forced release); a store
+        must never read such memory. The entry stays in memory as it is (what autograd would
+        hold), its store is dropped, and the user is told once."""
+        if self._apply(entry, E.RESIZED) is S.DROPPED:
+            self.orphans.discard(entry)
+        if not self._warned_resized:
+            self._warned_resized = True
+            warnings.warn(
+                f"tba: a saved storage of {entry.nbytes} bytes was resized or freed "
+                "(storage.resize_) after autograd saved it; tba keeps such storages instead of "
+                "offloading them (this warning is shown once)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
+
+    def _store_failed(self, entry: Entry, exc: BaseException) -> None:
+        """A store failed (lock held): the bytes are still in memory, nothing is lost. Raised
+        in the training step, or kept with a warning (``on_io_error="keep"``)."""
+        error = _offloader_error(self.offloader, "store", entry.nbytes, exc)
+        dropped = self._apply(entry, E.STORE_FAILED) is S.DROPPED
+        if dropped:
+            self.orphans.discard(entry)
+        if self._keep_on_error:
+            if not self._warned_keep:
+                self._warned_keep = True
+                warnings.warn(
+                    f"tba: {error}; on_io_error='keep' keeps such tensors in memory "
+                    "(this warning is shown once)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            logger.debug("store failed, kept in memory: %s", error)
+        elif dropped or self.raised_this_step:
+            # Note [One store error per step]: the step already failed with a store error, or
+            # the tensor died before its store failed (nothing of it is lost): counted and
+            # logged, not raised again in a later step (or by close()) as a stale error.
+            logger.warning("tba: another store failed in a step that already failed: %s", error)
+        elif self.error is None:
+            self.error = error
+
+    # ----------------------------------------------------------------- loads
+    def _load_worker(self) -> None:
+        while True:
+            with self.lock:
+                while not self._stopping and not self._load_q:
+                    self._load_ready.wait()
+                if self._stopping:
+                    return
+                entry = self._load_q.popleft()
+                if entry.state is S.ORPHAN_LOADING:  # died while its load was queued
+                    self._abandon_load(entry)
+                    continue
+                if entry.state is not S.LOADING:
+                    continue
+                xfer = entry.xfer
+                assert xfer is not None
+                token = xfer.token
+            self._run_load(entry, xfer, token)
+            entry = xfer = token = None  # Note [Workers hold nothing]
+
+    def _abandon_load(self, entry: Entry) -> None:
+        """A dropped entry's load that never ran (lock held): give its space back."""
+        xfer = entry.xfer
+        assert xfer is not None
+        self._apply(entry, E.ABANDON)
+        self.orphans.discard(entry)
+        self._release_token(xfer)
+        if xfer.load_done is not None:
+            xfer.load_done.set()
+
+    def _run_load(self, entry: Entry, xfer: Transfer, token: Any) -> None:
+        """On a load worker, no lock held, the entry LOADING: read it back and account for the
+        result; the unpack that waits finds a failure in ``xfer.error``."""
+        done = xfer.load_done
+        start = time.perf_counter()
+        dst, event, failure, cpu = None, None, None, TransferCPU()
+        try:
+            with cpu:
+                # Note [Reload buffers on the consumer's stream]
+                dst, ready = self.streams.allocate(xfer.device, entry.nbytes, xfer.event, xfer.page_offset)
+                with transfer_range("load", entry), self.streams.transfer(xfer.device, "load", ready):
+                    self.offloader.load(token, dst)
+                    event = self.streams.loaded_event(xfer.device)
+        except Exception as exc:  # re-raised on the training thread by fetch()
+            failure = exc
+        end = time.perf_counter()
+        self.trace.span("load", start, end, entry.nbytes, failure is None)
+        with self.lock:
+            self.step.io_cpu_s += cpu.seconds
+            self._finish_load(entry, xfer, dst, event, failure, end - start)
+        if done is not None:
+            done.set()
+        failure = dst = None  # see _run_store
+
+    def _finish_load(
+        self, entry: Entry, xfer: Transfer, dst: Any, event: Any, failure: BaseException | None,
+        elapsed: float,
+    ) -> None:
+        """Account for a finished load (lock held), on a worker or inline."""
+        if failure is not None:
+            if self._apply(entry, E.LOAD_FAILED) is S.DROPPED:
+                self.orphans.discard(entry)
+                self._release_token(xfer)
+            else:
+                xfer.error = _offloader_error(self.offloader, "load", entry.nbytes, failure)
+            return
+        if entry.state is S.ORPHAN_LOADING:
+            self._apply(entry, E.LOAD_DONE)
+            self.orphans.discard(entry)
+            self._release_token(xfer)
+            return
+        entry.data, xfer.load_event, xfer.reloaded = dst.untyped_storage(), event, True
+        self.step.read_s += elapsed
+        self._apply(entry, E.LOAD_DONE)
+        if self._store_q and not self._load_q:
+            self._store_ready.notify_all()  # stores wait while loads are queued
+
+    def _load_inline(self, entry: Entry, xfer: Transfer) -> tuple[Any, Any]:
+        """Read a small inline-stored entry back on this thread (lock held): Note [Small
+        transfers inline]. Returns what ``fetch`` returns; raises the load's error."""
+        self._apply(entry, E.LOAD)
+        start = time.perf_counter()
+        dst, failure = None, None
+        try:
+            dst = torch.empty(entry.nbytes, dtype=torch.uint8)
+            with transfer_range("load", entry):
+                self.offloader.load(xfer.token, dst)
+        except Exception as exc:  # raised to the caller below
+            failure = exc
+        end = time.perf_counter()
+        self.step.io_cpu_s += end - start  # Note [Inline CPU time]
+        self.trace.span("load", start, end, entry.nbytes, failure is None)
+        self._finish_load(entry, xfer, dst, None, failure, end - start)
+        if failure is not None:
+            error, xfer.error = xfer.error, None
+            failure = None
+            assert error is not None
+            try:
+                raise error
+            finally:
+                error = None
+        return entry.data, None

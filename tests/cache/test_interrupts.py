@@ -1,0 +1,185 @@
+"""Ctrl-C anywhere in tba (Note [Interrupt-safe bookkeeping]): a KeyboardInterrupt raised at any
+line tba runs in a training step reaches the script, and afterwards the same cache trains on,
+bit-exact, with nothing leaked (entries, pool extents, bytes in flight, counters back to zero
+once the step's graph is gone) and no hang. The sweep sends a real SIGINT at the k-th line
+event of tba's code in one step, for every k (every few k in the quick variant)."""
+
+from __future__ import annotations
+
+import gc
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import tba
+from tba.cache import interrupts
+from tba.testing import probe
+from tests import models
+from tests.cache.interrupt_sweep import LineCounter, tracing
+
+JOIN_S = 30.0
+OFFLOADERS = ["host", "ssd", "host+ssd", "none"]
+
+
+def _options(offloader: str, tmp_path: Path) -> dict:
+    options = dict(offloader=offloader, offload_devices=("cpu",), min_offload_bytes=0,
+                   keep_last_modules=0, adaptive=False, transfer_timeout_s=JOIN_S)
+    if offloader in ("ssd", "host+ssd"):
+        options.update(ssd_dirs=(str(tmp_path),), ssd_engine="posix")
+    if offloader == "host+ssd":
+        options.update(host_budget_bytes=4096)  # some tensors in the pool, the rest on SSD
+    return options
+
+
+def _step(model: torch.nn.Module, seed: int, cache: tba.TensorCache | None = None) -> None:
+    torch.manual_seed(seed)
+    loss = model(models.vector_batch(seed))
+    if cache is not None:
+        cache.wait_for_stores(JOIN_S)  # backward really reads back
+    loss.backward()
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _pool_bytes(cache: tba.TensorCache) -> int:
+    used = getattr(cache.offloader, "used_bytes", None)
+    return used if isinstance(used, int) else 0
+
+
+def _sweep(offloader: str, tmp_path: Path, stride: int) -> int:
+    """Interrupt one training step at every ``stride``-th line of tba's code; check the
+    interrupt was raised, nothing leaked, and a clean step after it is bit-exact. Returns the
+    number of interrupted steps."""
+    torch.manual_seed(0)
+    reference = models.Stack(num_blocks=1, width=16)
+    model = models.Stack(num_blocks=1, width=16)
+    model.load_state_dict(reference.state_dict())
+    _step(reference, 1)
+    expected = _grads(reference)
+    tba.configure_tensor_cache(model, **_options(offloader, tmp_path))
+    cache = tba.get_tensor_cache(model)
+    assert cache is not None
+    assert signal.getsignal(signal.SIGINT) is interrupts._handler, "tba's SIGINT handler is not installed"
+    view = probe(cache)
+    for seed in (2, 3):  # warm-up: the host pool is grown and sized
+        _step(model, seed, cache)
+        model.zero_grad()
+    counter = LineCounter()
+    with tracing(counter):
+        _step(model, 4)  # how many lines tba runs in one step
+    model.zero_grad()
+    num_lines = counter.count
+    assert num_lines > 1000, num_lines
+    interrupted = 0
+    for k in range(1, num_lines + 1, stride):
+        counter = LineCounter(fire_at=k)
+        caught = None
+        try:
+            with tracing(counter):
+                _step(model, 5)
+        except KeyboardInterrupt as exc:
+            caught = repr(exc)
+        if counter.fired_at is None:
+            continue  # the step ran fewer lines this time
+        assert caught is not None, f"the interrupt at {counter.fired_at} (line {k}) was swallowed"
+        interrupted += 1
+        # The interrupted step's graph is gone (by reference counting: a cycle keeping it would
+        # be a leak too): nothing may be left behind.
+        model.zero_grad()
+        view.wait_idle(JOIN_S)
+        where = f"after an interrupt at {counter.fired_at} (line {k})"
+        assert view.num_entries == 0, f"{view.num_entries} entries leaked {where}: {view.entries}"
+        counters = view.counters
+        assert counters["resident_bytes"] == counters["inflight_bytes"] == counters["held_bytes"] == 0, (
+            f"counters {counters} {where}")
+        assert _pool_bytes(cache) == 0, f"the offloader still holds {_pool_bytes(cache)} bytes {where}"
+        assert not view.check_invariants(), f"{view.check_invariants()} {where}"
+        # The same cache trains on, bit-exact, and really moves bytes.
+        before = cache.stats(cumulative=True)
+        _step(model, 1, cache)
+        for name, (a, b) in zip([n for n, _ in model.named_parameters()], zip(_grads(model), expected)):
+            assert torch.equal(a, b), f"grad of {name} differs {where}"
+        model.zero_grad()
+        after = cache.stats(cumulative=True)
+        if offloader != "none":
+            assert after.offloaded_bytes > before.offloaded_bytes, f"nothing offloaded {where}"
+            assert after.reloaded_bytes > before.reloaded_bytes, f"nothing reloaded {where}"
+        assert after.num_packed > before.num_packed, f"nothing saved through tba {where}"
+        assert not view.forward.hooks_active and view.forward.depth == 0, where
+    cache.close()
+    return interrupted
+
+
+@pytest.mark.parametrize("offloader", OFFLOADERS)
+def test_interrupt_every_few_lines_quick(offloader: str, tmp_path: Path) -> None:
+    assert _sweep(offloader, tmp_path, stride=61) > 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offloader", ["host", "ssd", "host+ssd"])
+def test_interrupt_at_every_line(offloader: str, tmp_path: Path) -> None:
+    """Every line of one step (about 3000; a minute or so per offloader)."""
+    assert _sweep(offloader, tmp_path, stride=1) > 1000
+
+
+def test_an_interrupted_forward_leaves_no_hooks_for_another_model() -> None:
+    """Ctrl-C inside the model's forward skips the root's post hook; the next save of another,
+    unconfigured model is not offloaded by tba's stale hooks (Note [Interrupted forwards])."""
+
+    class Interruptible(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.tanh(self.blocks[0](x))
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C between the blocks
+            return self.blocks[1](x).sum()
+
+    model = Interruptible()
+    other = models.Stack(num_blocks=2)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0) as cache:
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.randn(4, 8))
+        seen: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            baseline = len(seen)
+            other(models.vector_batch(0)).backward()
+        assert len(seen) > baseline, "the script's own hooks saw nothing: tba's stale hooks took the saves"
+        other.zero_grad()
+        other(models.vector_batch(1)).backward()  # no hooks of the script's: autograd's own
+        assert probe(cache).num_entries == 0
+        # tba took the interrupted forward's two saves (linear's input, tanh's output) and
+        # none of the other model's.
+        assert cache.stats(cumulative=True).num_packed == 2
+        forward = probe(cache).forward
+        assert not forward.hooks_active and forward.depth == 0
+
+
+def test_a_real_ctrl_c_during_backward_is_raised_not_swallowed() -> None:
+    """SIGINT while autograd releases saved tensors (Handle deaths) reaches the script."""
+
+    class Interrupt(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            signal.raise_signal(signal.SIGINT)
+            return grad
+
+    model = models.Stack(num_blocks=2)
+    with tba.configure_tensor_cache(model, offload_devices=("cpu",), min_offload_bytes=0,
+                                    keep_last_modules=0) as cache:
+        loss = Interrupt.apply(model(models.vector_batch(0)))
+        with pytest.raises(KeyboardInterrupt):
+            loss.backward()
+        del loss
+        gc.collect()
+        model(models.vector_batch(1)).backward()
+        assert probe(cache).num_entries == 0 and not probe(cache).check_invariants()
