@@ -10,7 +10,7 @@ timed with ``perf_counter``. After each step pair the losses and every gradient 
 - total time tba / plain over every step (the profile and the loop's measuring steps
   included), and per ``--window`` steps;
 - the offloaded fraction: bytes tba offloaded over the bytes it managed (offloaded + kept);
-- the loop's decisions (``cache._steps.loop.events``) and the boundary each step ran at.
+- the loop's decisions (``tba.testing.probe(cache).loop_events``) and the boundary each step ran at.
 
 Writes ``PREFIX.txt`` (summary), ``PREFIX.csv`` (per-window rows), ``PREFIX.png`` (the
 timeline, ``_long_plot``) and ``--out`` (JSON with per-step times, not committed).
@@ -35,6 +35,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import tba  # noqa: E402
 from tba.offloaders import make_offloader  # noqa: E402
 from tba.rok._worker import build_model  # noqa: E402
+from tba.testing import probe  # noqa: E402
 
 from _adaptive_table import parse_choices  # noqa: E402
 from _environment import describe  # noqa: E402
@@ -126,14 +127,13 @@ def _run(args: argparse.Namespace, threads: int, noise: str) -> dict:
         cache.close()
     wall = time.perf_counter() - wall0
     load_after = os.getloadavg()
-    history = {number: ran_at for number, _, ran_at in cache._steps.history}
+    history = {number: ran_at for number, _, ran_at in probe(cache).history}
     for n, row in enumerate(per_step, start=1):
         row["tail_start"] = history.get(n)
         row["plain_s"], row["tba_s"] = times[0][n - 1], times[1][n - 1]
         row["noise_on"] = _overlap(spans[1][n - 1], busy_intervals or windows)
-    loop = cache._steps.loop
     events = [dict(step=e.step, kind=e.kind, tail_start=e.tail_start, text=e.text)
-              for e in (loop.events if loop is not None else [])]
+              for e in probe(cache).loop_events]
     decision = cache.adaptive_decision
     return {
         "threads": threads, "noise": noise, "wall_s": wall, "loadavg_before": load_before,

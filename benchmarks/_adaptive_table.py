@@ -30,6 +30,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import tba  # noqa: E402
 from tba.rok._worker import build_model  # noqa: E402
+from tba.testing import probe  # noqa: E402
 
 from _environment import describe  # noqa: E402
 
@@ -101,7 +102,7 @@ def _run_threads(args: argparse.Namespace, threads: int, modes: list[str]) -> di
         times, stats = run["times"], run["stats"]
         cache = run["cache"]
         decision = cache.adaptive_decision
-        history = list(cache._steps.history)
+        history = probe(cache).history
         # Steady: the last --steady steps; for adaptive only those at its final boundary (its
         # keep and profile steps of a re-check are counted in the all-steps figures).
         last = range(len(times) - args.steady, len(times))

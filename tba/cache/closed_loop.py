@@ -50,7 +50,8 @@ boundary that went over the budget is measured over and backed off within ``wind
 a check): contention that went away is seen only by offloading again. The loop only reads
 step times: the cache's steps feed them (``observe``) and apply the boundary it returns.
 Tested with scripted step times in tests/cache/test_overhead_loop.py and, in the
-cache with an injected clock, tests/cache/test_closed_loop.py.
+cache with a fake clock installed by ``tba.testing.drive_closed_loop``,
+tests/cache/test_closed_loop.py.
 
 A keep step holds every activation of the step in memory, which offloading was meant to avoid:
 the cache starts the loop only when the memory free at the decision covers what the rule's
@@ -209,6 +210,11 @@ class OverheadLoop:
         if self.probing:
             return self._observe_probe(ran_at, seconds, timed, step)
         return self._observe_steady(ran_at, seconds, timed, step)
+
+    @property
+    def keep_baseline_s(self) -> tuple[float, ...]:
+        """The timed keep steps whose median is the keep baseline, oldest first."""
+        return tuple(self._baseline)
 
     def decision_fields(self) -> dict[str, Any]:
         """What the cache's ``BoundaryDecision`` shows of the loop."""

@@ -71,8 +71,9 @@ class Steps:
         self._num_forwards = 0  # forwards (microbatches) in the running step
         self._forwards_per_step: int | None = None
         self._reserved = False
-        # Note [Closed loop]: step times from ``clock`` (set before the first forward to
-        # inject one; the default is chosen then, once the model's device is known).
+        # Note [Closed loop]: step times from ``clock`` (``tba.testing.drive_closed_loop``
+        # sets one before the first forward; the default is chosen then, once the model's
+        # device is known) and free memory from ``free_bytes`` (the same seam).
         self.clock: StepClock | None = None
         self.free_bytes: Callable[[], int] | None = None  # memory a keep step may use
         self._step_start: Any = None

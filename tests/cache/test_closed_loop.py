@@ -9,14 +9,13 @@ that take CPU or memory bandwidth from compute. No assertion rests on real time.
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
 
 import tba
 from tba.offloaders.host import HostOffloader
-from tba.testing import probe
+from tba.testing import FakeStepClock, drive_closed_loop, probe
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
 
@@ -24,35 +23,13 @@ _BLOCKS = 6  # keep_last_modules=1: the rule may offload blocks [0, 5)
 
 
 # ---------------------------------------------------------------- the cache, injected clock
-class FakeClock:
-    """A clock that moves only when told to (thread-safe: stores and loads advance it)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._lock = threading.Lock()
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
-
-    def mark(self) -> float:
-        with self._lock:
-            return self.now
-
-    def seconds(self, start: float, end: float) -> float:
-        return end - start
-
-    def wait(self, mark: float) -> None:
-        pass
-
-
 class Contended:
     """A host offloader whose transfers, while ``seconds_per_byte`` is set, slow the step down
     by that much per byte moved (advancing the fake clock): transfers competing with compute."""
 
     name = "contended-host"
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: FakeStepClock) -> None:
         self.inner = HostOffloader()
         self.clock = clock
         self.seconds_per_byte = 0.0
@@ -82,16 +59,14 @@ def test_backs_off_under_contention_and_offloads_again_bit_exact() -> None:
     for it is worth it), and [0, 3) is predicted over: settled at [0, 2). From step 27
     contention is gone; the periodic re-check profiles again and measures [0, 5) at +0%:
     offloaded again. Every step bit-exact."""
-    clock = FakeClock()
+    clock = FakeStepClock()
     offloader = Contended(clock)
     caches: list[tba.TensorCache] = []
     step_of = {"n": 0}
 
     def configure(cache: tba.TensorCache) -> None:
         caches.append(cache)
-        cache._steps.clock = clock
-        assert cache._steps.loop is not None
-        cache._steps.loop.recheck_every = 4
+        drive_closed_loop(cache, clock=clock, recheck_every=4)
         for block in cache.model.blocks:  # each block computes for 1 s of the fake clock
             block.register_forward_pre_hook(lambda *_: clock.advance(1.0))
 
@@ -136,7 +111,7 @@ def test_contention_reported_in_decision(recwarn: pytest.WarningsRecorder) -> No
     """Under contention the settled decision names the measurements, their bounds, the
     overhead, the measuring budget and the step it settled at. The loop's keep steps are no
     decision to keep every block: no "offloaded nothing" warning."""
-    clock = FakeClock()
+    clock = FakeStepClock()
     offloader = Contended(clock)
     torch.manual_seed(0)
     model = models.Stack(num_blocks=_BLOCKS)
@@ -144,7 +119,7 @@ def test_contention_reported_in_decision(recwarn: pytest.WarningsRecorder) -> No
         block.register_forward_pre_hook(lambda *_: clock.advance(1.0))
     with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cpu",),
                                     min_offload_bytes=0) as cache:
-        cache._steps.clock = clock
+        drive_closed_loop(cache, clock=clock)
         for step in range(1, 29):
             if step == 3:
                 bb = cache.adaptive_decision.block_bytes[0]
@@ -172,7 +147,9 @@ def test_max_step_overhead_none_is_the_rule_alone() -> None:
     model = models.Stack(num_blocks=_BLOCKS)
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                     min_offload_bytes=0, max_step_overhead=None) as cache:
-        assert cache._steps.loop is None
+        assert not probe(cache).has_closed_loop
+        with pytest.raises(ValueError, match="no closed loop"):
+            drive_closed_loop(cache, keep_every=2)
         for step in range(5):
             model(models.vector_batch(step)).backward()
         assert all(t == 5 for _, _, t in probe(cache).history)
@@ -195,7 +172,7 @@ def test_no_keep_steps_without_memory_for_them() -> None:
     model = models.Stack(num_blocks=_BLOCKS)
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                     min_offload_bytes=0) as cache:
-        cache._steps.free_bytes = lambda: 1000
+        drive_closed_loop(cache, free_bytes=lambda: 1000)
         for step in range(6):
             loss = model(models.vector_batch(step))
             cache.wait_for_stores(60)
@@ -211,23 +188,21 @@ def test_no_keep_steps_without_memory_for_them() -> None:
 def test_steady_keep_steps_only_with_memory_for_them() -> None:
     """After settling, two keep steps every ``keep_every`` steady steps refresh the baseline;
     once the memory free no longer covers a keep step, none runs."""
-    clock = FakeClock()
+    clock = FakeStepClock()
     model = models.Stack(num_blocks=_BLOCKS)
     for block in model.blocks:
         block.register_forward_pre_hook(lambda *_: clock.advance(1.0))
     free = {"bytes": 1 << 40}
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                     min_offload_bytes=0) as cache:
-        cache._steps.clock = clock
-        cache._steps.free_bytes = lambda: free["bytes"]
-        cache._steps.loop.keep_every = 2
+        drive_closed_loop(cache, clock=clock, free_bytes=lambda: free["bytes"], keep_every=2)
         for step in range(1, 25):
             if step == 19:
                 free["bytes"] = 1000
             loss = model(models.vector_batch(step))
             cache.wait_for_stores(60)
             loss.backward()
-        tails = [t for _, _, t in cache._steps.history]
+        tails = [t for _, _, t in probe(cache).history]
     # 1-2 profile; 3-14 the check (no cost: settled at 5); 15-16 steady, 17-18 keep steps;
     # from 19 no memory for keep steps.
     assert tails == [5, 5] + [0, 0, 5, 5] * 3 + [5, 5, 0, 0] + [5] * 6, tails
@@ -248,3 +223,37 @@ def test_cuda_event_clock_reads_without_synchronising() -> None:
     clock.wait(end)
     assert pending is None or pending > 0
     assert clock.seconds(start, end) > 0
+
+
+def test_drift_after_acceptance_is_caught_in_the_cache() -> None:
+    """Blocks [0, 5) accepted at +0% (steps 3-14). From step 17 each offloaded block costs 3%
+    of the keep step (+15% at [0, 5)): the steady steps are judged against the keep baseline
+    (6 s), not the accepted time, so at step 18 the median of the steady steps (+0%, +0%,
+    +15%, +15%) is over 5% and a check starts at once; it measures [0, 5) over and backs off,
+    within ``window + 4 * max_pairs`` steps of the change, then settles at [0, 1)."""
+    clock = FakeStepClock()
+    offloader = Contended(clock)
+    model = models.Stack(num_blocks=_BLOCKS)
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda *_: clock.advance(1.0))
+    with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cpu",),
+                                    min_offload_bytes=0) as cache:
+        drive_closed_loop(cache, clock=clock, free_bytes=lambda: 1 << 40)
+        for step in range(1, 44):
+            if step == 17:
+                assert cache.adaptive_decision.settled_at_step == 14
+                block_bytes = cache.adaptive_decision.block_bytes[0]
+                offloader.seconds_per_byte = 0.03 * _BLOCKS / (2 * block_bytes)
+            loss = model(models.vector_batch(step))
+            cache.wait_for_stores(60)
+            loss.backward()
+        events = [(e.step, e.kind, e.tail_start) for e in probe(cache).loop_events]
+        tails = [t for _, _, t in probe(cache).history]
+        decision = cache.adaptive_decision
+    assert events[:6] == [(2, "measure", 5), (14, "pass", 5), (14, "settle", 5),
+                          (18, "suspect", 5), (18, "measure", 5), (30, "fail", 5)], events
+    assert 30 - 16 <= 5 + 4 * 5  # the documented bound (window + 4 * max_pairs)
+    assert tails[14:18] == [5] * 4 and tails[18:30] == [0, 0, 5, 5] * 3
+    assert all(t < 5 for t in tails[30:]), tails  # backed off
+    # 3% a block predicts [0, 1) at +3%: measured so (steps 31-42), within and worth it.
+    assert (decision.tail_start, decision.settled_at_step) == (1, 42), str(decision)

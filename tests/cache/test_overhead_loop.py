@@ -210,7 +210,7 @@ def test_keep_steps_refresh_the_baseline_when_memory_allows() -> None:
     assert _run(loop, 2, lambda i, at: 1.0 + 0.01 * at + (0.5 if i == 5 else 0), 12) == [
         2, 2, 2, 2, 0, 0, 2, 2, 2, 2, 0, 0, 2]
     assert asked == [30, 30]  # the bytes a keep step holds beyond blocks [0, 2)
-    assert list(loop._baseline)[-2:] == [1.5, 1.0]
+    assert loop.keep_baseline_s[-2:] == (1.5, 1.0)
     free["ok"] = False
     assert _run(loop, 2, _linear(0.01), 8) == [2] * 9  # no memory: no keep step
 
