@@ -204,11 +204,26 @@ def _summary_lines(result: dict, window: int) -> list[str]:
     return lines
 
 
-def _portable_command() -> str:
-    """The command line without this machine's paths (the interpreter as ``python``, paths in
-    the repository relative to its root)."""
+def _portable_command(argv: list[str] | None = None) -> str:
+    """The command line without this machine's paths: the interpreter as ``python``, paths in
+    the repository relative to its root, other absolute paths (``--out /tmp/...``, the per-step
+    JSON that is not committed) by their file name alone.
+
+    Example:
+        >>> _portable_command(["x.py", "--out", "/tmp/run/quiet.json", "--prefix=/tmp/a/b"])
+        'python x.py --out quiet.json --prefix=b'
+    """
     root = str(Path(__file__).resolve().parents[1]) + os.sep
-    return shlex.join(["python"] + [a[len(root):] if a.startswith(root) else a for a in sys.argv])
+
+    def portable(arg: str) -> str:
+        key, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if value.startswith(root):
+            value = value[len(root):]
+        elif os.path.isabs(value):
+            value = os.path.basename(value)
+        return key + eq + value
+
+    return shlex.join(["python"] + [portable(a) for a in (sys.argv if argv is None else argv)])
 
 
 def main(args: argparse.Namespace) -> dict:

@@ -75,7 +75,9 @@ def test_adaptive_long_smoke(tmp_path: Path) -> None:
         assert run["bit_identical"] is True and len(run["steps"]) == 6
         assert run["ratio"] > 0 and 0 <= run["offloaded_fraction"] <= 1
         assert all(s["managed_bytes"] > 0 for s in run["steps"])
-        assert run["profiled_at"] == [2]  # the default profile_step
+        # The default profile_step, or the step after it when the profiled step wrote nothing
+        # (its stores all cancelled: a step shorter than a store, as under a stall).
+        assert run["profiled_at"] in ([2], [3]), (run["noise"], run["profiled_at"])
     assert isinstance(result["results"][1]["noise_intervals"], list)  # the bursts, if any began
     assert result["environment"]["command"].startswith("python benchmarks/adaptive_offload.py")
     csv_lines = (tmp_path / "results" / "long.csv").read_text().splitlines()
@@ -83,4 +85,7 @@ def test_adaptive_long_smoke(tmp_path: Path) -> None:
     assert len(csv_lines) == 3 + 3 * 2  # two windows of 4 and 2 steps per run
     summary = (tmp_path / "results" / "long.txt").read_text()
     assert summary.count("bit-identical at every step: True") == 3
+    # Committed figures name no path of this machine (the --out and --prefix given here).
+    assert str(tmp_path) not in summary and str(tmp_path) not in "\n".join(csv_lines)
+    assert "--out long.json" in summary
     assert (tmp_path / "results" / "long.png").read_bytes()[:4] == b"\x89PNG"
