@@ -2,13 +2,14 @@
 # Set up a fresh machine and run tba's main job or its tests (the README's two commands).
 #   bash .ci/dev.sh main [rok_curve.py args...]   # ROK benchmark: PNG + CSV + JSON under out/rok
 #   bash .ci/dev.sh test [pytest args...]         # the test suite
+#   bash .ci/dev.sh types                         # the type checker (mypy; config in pyproject.toml)
 # Set-up is idempotent: a virtual environment in .venv with torch 2.13.0 (never upgraded),
-# tba installed editable with its test and benchmark extras.
+# tba installed editable with its test, benchmark and typecheck extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
 shift || true
-case "$what" in main|test) ;; *) echo "usage: bash .ci/dev.sh main|test [args...]" >&2; exit 2 ;; esac
+case "$what" in main|test|types) ;; *) echo "usage: bash .ci/dev.sh main|test|types [args...]" >&2; exit 2 ;; esac
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -24,10 +25,13 @@ fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
-pip install -q -c "$constraints" -e ".[test,bench,release]"
+pip install -q -c "$constraints" -e ".[test,bench,release,typecheck]"
 bash .ci/install_optional.sh "$constraints"
 
 if [ "$what" = main ]; then
   exec python benchmarks/rok_curve.py "$@"
+fi
+if [ "$what" = types ]; then
+  exec python -m mypy "$@"  # files and strictness: [tool.mypy] in pyproject.toml
 fi
 exec python -m pytest -q -p no:cacheprovider "$@"

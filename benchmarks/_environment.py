@@ -9,7 +9,23 @@ import sys
 
 from tba.rok._worker import cpu_name  # one definition: `tba rok` ships it
 
-__all__ = ["cpu_name", "describe"]
+__all__ = ["command_line", "cpu_name", "describe"]
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def command_line(argv: list[str]) -> str:
+    """``argv`` as a command a reader can run from the repository root: ``python`` for the
+    interpreter and paths inside the repository relative to it (a committed figure names no
+    machine's directories)."""
+
+    def portable(arg: str) -> str:
+        path = os.path.abspath(arg) if os.path.isabs(arg) or os.path.exists(arg) else None
+        if path is not None and path.startswith(_ROOT + os.sep):
+            return os.path.relpath(path, _ROOT)
+        return arg
+
+    return shlex.join(["python", *(portable(arg) for arg in argv)])
 
 
 def describe(device: str) -> dict[str, object]:
@@ -27,5 +43,5 @@ def describe(device: str) -> dict[str, object]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "tba": tba.__version__,
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": command_line(sys.argv),
     }

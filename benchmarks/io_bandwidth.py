@@ -42,7 +42,6 @@ import json
 import mmap
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tba import _env  # noqa: E402
 from tba.offloaders.ssd import SSDOffloader  # noqa: E402
 from tba.offloaders.ssd._checksum import digest_of  # noqa: E402
-from _environment import cpu_name  # noqa: E402
+from _environment import command_line, cpu_name  # noqa: E402
 
 _MiB = 1 << 20
 
@@ -124,7 +123,7 @@ def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
         # Other work on the machine slows the checksum (CPU) more than the disk: say how busy it was.
         "loadavg_1_5_15min": [round(x, 2) for x in os.getloadavg()],
         "torch_threads": torch.get_num_threads(),
-        "command": shlex.join([sys.executable, *argv]),
+        "command": command_line(argv),
     }
 
 

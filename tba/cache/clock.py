@@ -55,7 +55,8 @@ class CudaEventClock:
     def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float | None:
         if not end.query():
             return None
-        return start.elapsed_time(end) / 1e3
+        seconds: float = start.elapsed_time(end) / 1e3
+        return seconds
 
     def wait(self, mark: torch.cuda.Event) -> None:
         mark.synchronize()

@@ -354,7 +354,8 @@ class OverheadLoop:
             return c
         self._num_steady += 1
         if self.rule and self._num_steady >= self.recheck_every:
-            return self._recheck(step, f"periodic re-check after {self._num_steady} steps")
+            self._recheck(step, f"periodic re-check after {self._num_steady} steps")
+            return None
         if c == 0 or not self._baseline or not timed:
             return c
         baseline = median(self._baseline)
@@ -364,7 +365,8 @@ class OverheadLoop:
             why = (f"steady steps: median {drift:+.1%} over the keep baseline "
                    f"{baseline * 1e3:.1f} ms")
             if not self.can_keep(self._offloaded_bytes(c)):
-                return self._recheck(step, f"{why}, and no memory is free for keep steps")
+                self._recheck(step, f"{why}, and no memory is free for keep steps")
+                return None
             self._event(step, "suspect", c, why)
             return self._check(c, step, why)
         if self._num_steady % self.keep_every == 0 and self.can_keep(self._offloaded_bytes(c)):
@@ -378,7 +380,6 @@ class OverheadLoop:
         self.reason = f"checking again: {why}"
         self._event(step, "recheck", self.candidate, why)
         logger.info("tba adaptive: %s", self.reason)
-        return None
 
     # ------------------------------------------------------------------ helpers
     def _offloaded_bytes(self, n: int) -> int:

@@ -67,7 +67,7 @@ class Steps:
         self._loop_on = False  # the loop measures since the last profile
         # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
         self._profile_due = config.profile_step if self._deciding and offloader else None
-        self._signature: tuple | None = None
+        self._signature: tuple[object, ...] | None = None
         self._num_forwards = 0  # forwards (microbatches) in the running step
         self._forwards_per_step: int | None = None
         self._reserved = False

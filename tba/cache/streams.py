@@ -35,19 +35,19 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["StreamLayer", "DeviceStreams", "dedicated_stream", "PAGE_BYTES", "host_buffer"]
+from tba.settings import DIRECT_IO_ALIGNMENT
 
-PAGE_BYTES = 4096
+__all__ = ["StreamLayer", "DeviceStreams", "dedicated_stream", "host_buffer"]
 
 
 def host_buffer(nbytes: int, page_offset: int) -> torch.Tensor:
     """A host ``uint8`` buffer of ``nbytes`` whose address is ``page_offset`` modulo
-    ``PAGE_BYTES`` (Note [Reload buffers at the source's page offset]); a plain one under a
-    page, where no whole page could move straight."""
-    if nbytes < PAGE_BYTES:
+    ``DIRECT_IO_ALIGNMENT`` (Note [Reload buffers at the source's page offset]); a plain one
+    under that size, where no whole block could move straight."""
+    if nbytes < DIRECT_IO_ALIGNMENT:
         return torch.empty(nbytes, dtype=torch.uint8)
-    base = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8).untyped_storage()
-    shift = (page_offset - base.data_ptr()) % PAGE_BYTES
+    base = torch.empty(nbytes + DIRECT_IO_ALIGNMENT, dtype=torch.uint8).untyped_storage()
+    shift = (page_offset - base.data_ptr()) % DIRECT_IO_ALIGNMENT
     return torch.empty(0, dtype=torch.uint8).set_(base[shift : shift + nbytes])
 
 
@@ -61,7 +61,7 @@ class StreamLayer(Protocol):
 
     def transfer(
         self, device: torch.device, kind: str, wait_for: Any | None
-    ) -> contextlib.AbstractContextManager:
+    ) -> contextlib.AbstractContextManager[None]:
         """On a worker thread: make the ``kind`` ("store"/"load") transfer stream current and
         order it after ``wait_for`` (a producer token, or an allocation's ready token)."""
         ...

@@ -7,10 +7,9 @@ import os
 import threading
 import time
 
+from tba.settings import MAX_TRACE_EVENTS_PER_STEP
+
 __all__ = ["TraceRecorder"]
-
-_MAX_EVENTS_PER_STEP = 1_000_000
-
 
 class TraceRecorder:
     """Collects the events of the running step and keeps those of the last completed one.
@@ -35,14 +34,14 @@ class TraceRecorder:
         if tid not in self._threads:
             self._threads[tid] = threading.current_thread().name
         events = self._events
-        if len(events) < _MAX_EVENTS_PER_STEP:
+        if len(events) < MAX_TRACE_EVENTS_PER_STEP:
             events.append((name, start, end, tid, nbytes, ok))
 
     def end_step(self) -> None:
         with self._lock:
             self._last, self._events = self._events, []
 
-    def export(self, path: str | os.PathLike) -> int:
+    def export(self, path: str | os.PathLike[str]) -> int:
         """Write the last completed step (or the running one, before any completed) as
         Chrome-trace JSON; returns the number of events written."""
         with self._lock:

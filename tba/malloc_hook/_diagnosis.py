@@ -8,6 +8,8 @@ import threading
 import warnings
 
 from tba.malloc_hook._status import HookStatus, status
+from tba.settings import REGISTRATION_SHORTFALL_MIN_RESERVED_BYTES, REGISTRATION_SHORTFALL_RATIO
+
 
 __all__ = ["gds_registration_problem", "registration_shortfall", "warn_if_registration_short"]
 
@@ -16,9 +18,8 @@ logger = logging.getLogger(__name__)
 # Note [Registration shortfall]: with TBA_HOOK_REGISTER=all the hook should see most of what
 # PyTorch reserves; PyTorch's 2 MiB small-pool segments (below the default 4 MiB threshold)
 # and a few failed or skipped registrations account for some difference, so only less than
-# half registered counts as a shortfall, and only once PyTorch holds a real amount of memory.
-SHORTFALL_RATIO = 0.5
-SHORTFALL_MIN_RESERVED_BYTES = 256 << 20
+# half registered counts as a shortfall, and only once PyTorch holds a real amount of memory
+# (tba.settings).
 _warn_lock = threading.Lock()
 _warned_shortfall = False
 
@@ -37,9 +38,9 @@ def registration_shortfall(current: HookStatus, reserved_bytes: int) -> str | No
     """
     if not current.preloaded or current.register_mode != "all":
         return None
-    if reserved_bytes < SHORTFALL_MIN_RESERVED_BYTES:
+    if reserved_bytes < REGISTRATION_SHORTFALL_MIN_RESERVED_BYTES:
         return None
-    if current.registered_bytes >= SHORTFALL_RATIO * reserved_bytes:
+    if current.registered_bytes >= REGISTRATION_SHORTFALL_RATIO * reserved_bytes:
         return None
     causes = []
     if current.num_skipped_capturing:

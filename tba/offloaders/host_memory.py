@@ -28,11 +28,11 @@ from typing import Protocol
 
 import torch
 
+from tba.settings import PAGE_BYTES
+
 __all__ = ["HostAllocator", "HostBuffer", "Pinner", "CudaHostRegister"]
 
 logger = logging.getLogger(__name__)
-
-PAGE_BYTES = mmap.PAGESIZE
 
 
 class Pinner(Protocol):
@@ -64,7 +64,7 @@ class CudaHostRegister:
             logger.warning("cudaHostUnregister(%#x) failed: %s", ptr, _error_text(cudart, error))
 
 
-def _error_text(cudart: object, error: object) -> str:
+def _error_text(cudart: object, error: int) -> str:
     describe = getattr(cudart, "cudaGetErrorString", None)
     try:
         return f"{describe(error)} ({int(error)})" if describe is not None else str(int(error))

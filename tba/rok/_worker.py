@@ -42,7 +42,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_model(model_spec: dict[str, int], device: str, dtype: str):
+def build_model(model_spec: dict[str, Any], device: str, dtype: str):  # spec: JSON from the parent
     import torch
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -52,11 +52,13 @@ def build_model(model_spec: dict[str, int], device: str, dtype: str):
         n_embd=model_spec["hidden"], n_layer=model_spec["layers"], n_head=model_spec["heads"],
         n_positions=model_spec["seq_len"], vocab_size=model_spec["vocab"], activation_function="gelu",
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
-        attn_implementation=model_spec.get("attn_implementation", "eager"))
+        # transformers' GPT2Config signature omits PretrainedConfig's keyword arguments.
+        attn_implementation=model_spec.get("attn_implementation", "eager"))  # type: ignore[call-arg]
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: a GPU-sized model builds in seconds
         model = GPT2LMHeadModel(cfg)
-    return model.to(dtype=getattr(torch, dtype)).train()
+    # transformers types ``PreTrainedModel.to`` through a wrapper mypy cannot call.
+    return model.to(dtype=getattr(torch, dtype)).train()  # type: ignore[call-arg]
 
 
 def enable_recompute(model) -> None:
@@ -85,7 +87,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
         return {"status": f"failed: {type(e).__name__}: {_one_line(e)}", "traceback": tb}
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
+def _one_line(e: object, limit: int = 300) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -185,12 +187,6 @@ class _Warmup:
             else:
                 self.unsettled = (f"decision {'missing' if now[0] is None else 'still moving'} after "
                                   f"{completed} warm-up steps")
-
-
-def settled_alike(previous: tuple[int | None, bool] | None, now: tuple[int | None, bool]) -> bool:
-    """Two consecutive steps ran one decision alike: ``(tail_start, offloaded anything)`` of
-    each, see Note [Warm up until the policy settles]."""
-    return previous is not None and now[0] is not None and previous == now
 
 
 def settled_alike(previous: tuple[int | None, int] | None, now: tuple[int | None, int]) -> bool:

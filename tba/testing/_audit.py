@@ -23,26 +23,26 @@ path as without the audit.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from tba.offloaders.base import Offloader
+from tba.offloaders.base import Offloader, StoresNow
+from tba.settings import DIRECT_IO_ALIGNMENT
 from tba.testing._wrapping import OffloaderWrapper
 
 __all__ = ["AuditedOffloader"]
 
-_PAGE_BYTES = 4096
 _POISON = 0xA5
 
 
 def _copy_at_page_offset(src: torch.Tensor) -> torch.Tensor:
     """A copy of the ``uint8`` tensor ``src``; on the host, at ``src``'s address modulo the page."""
     num_bytes = src.numel()
-    if src.device.type != "cpu" or num_bytes < _PAGE_BYTES:
+    if src.device.type != "cpu" or num_bytes < DIRECT_IO_ALIGNMENT:
         return src.clone()
-    base = torch.empty(num_bytes + _PAGE_BYTES, dtype=torch.uint8)
-    shift = (src.data_ptr() - base.data_ptr()) % _PAGE_BYTES
+    base = torch.empty(num_bytes + DIRECT_IO_ALIGNMENT, dtype=torch.uint8)
+    shift = (src.data_ptr() - base.data_ptr()) % DIRECT_IO_ALIGNMENT
     copy = base[shift : shift + num_bytes]
     copy.copy_(src)
     return copy
@@ -74,7 +74,7 @@ class AuditedOffloader(OffloaderWrapper):
     def _store_now(self, storage: torch.UntypedStorage) -> Any:
         source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         scratch = source.clone()
-        token = self.inner.store_now(scratch.untyped_storage())  # type: ignore[attr-defined]
+        token = cast(StoresNow, self.inner).store_now(scratch.untyped_storage())
         if token is not None:
             scratch.bitwise_not_()
             with self._lock:

@@ -50,7 +50,7 @@ class ScopeView:
 class RecordView:
     """One forward pass of the running step (Note [Step boundaries])."""
 
-    key: tuple
+    key: tuple[int, int]
     scopes: tuple[ScopeView, ...]
     forward_done: bool
     backward_started: bool

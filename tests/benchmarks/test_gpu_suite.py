@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +33,15 @@ def run_suite(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
                           timeout=SUITE_TIMEOUT_S, cwd=ROOT, env=full_env)
 
 
+def failure_of(proc: subprocess.CompletedProcess[str]) -> str:
+    """What a failed suite run printed: every stage line (with the tail of a failed stage's
+    log right after it) and the verdict."""
+    lines = proc.stderr.splitlines()
+    keep = [i for i, line in enumerate(lines) if re.search(r"\] stage \w+: (?!ok )", line)]
+    shown = [line for i in keep for line in lines[i:i + 12]]
+    return "\n".join(shown) + "\n...\n" + proc.stderr[-1500:]
+
+
 def rows_of(out: Path) -> list[dict]:
     return json.loads((out / "verdict.json").read_text())["rows"]
 
@@ -40,7 +50,7 @@ def rows_of(out: Path) -> list[dict]:
 def test_suite_on_cpu_passes_with_gpu_rows_skipped(tmp_path: Path) -> None:
     out = tmp_path / "suite"
     proc = run_suite(out)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_of(proc)
     verdict = json.loads((out / "verdict.json").read_text())
     rows = verdict["rows"]
     assert verdict["verdict"] == "PASS" and verdict["counts"]["FAIL"] == 0

@@ -11,7 +11,7 @@ import torch
 
 import tba
 from tba.cache.engine import State
-from tba.cache.engine.workers import INLINE_MAX_BYTES
+from tba.settings import INLINE_MAX_BYTES
 from tba.errors import OffloadIOError
 from tba.offloaders.host import HostOffloader
 from tba.testing import probe

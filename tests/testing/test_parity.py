@@ -77,9 +77,14 @@ class _SavedButUnused(torch.autograd.Function):
 
 
 class _NeverReads(torch.nn.Module):
+    """The saved tensor is saved by the model itself, outside its one block (``unused``), where
+    no prefetch reads it back (a model without submodules is one block, and that block's
+    backward would prefetch it whenever its store finished first: a flaky premise)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.bias = torch.nn.Parameter(torch.zeros(64))
+        self.unused = torch.nn.Linear(1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _SavedButUnused.apply(x + self.bias).sum()

@@ -6,11 +6,13 @@ queues and state machine; every state change goes through ``Engine._apply``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,11 +20,17 @@ from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.engine.entries import Entry, Transfer
 from tba.cache.engine.states import Event, State
 from tba.cache.profiler_ranges import transfer_range
-from tba.cache.streams import PAGE_BYTES
 from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
+from tba.settings import DIRECT_IO_ALIGNMENT
 
-__all__ = ["INLINE_MAX_BYTES", "TransferWorkers"]
+if TYPE_CHECKING:
+    from tba.cache.stats import CacheStats
+    from tba.cache.streams import StreamLayer
+    from tba.cache.trace import TraceRecorder
+    from tba.offloaders.base import Offloader
+
+__all__ = ["TransferWorkers"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +47,6 @@ E, S = Event, State
 # storages always go through the workers (their copies wait on streams). Both run inside the
 # engine's lock (a critical section: Note [Interrupt-safe bookkeeping]); the entry's state
 # machine and counters are the same as for a worker's transfer: only the thread differs.
-INLINE_MAX_BYTES = 64 << 10
 
 # Note [Inline CPU time]: ``CacheStats.io_cpu_s`` counts the CPU the transfers take from the
 # host. A worker measures its thread's CPU time around a transfer (``TransferCPU``); an inline
@@ -50,7 +57,7 @@ INLINE_MAX_BYTES = 64 << 10
 
 
 
-def _offloader_error(offloader: Any, what: str, nbytes: int, exc: BaseException) -> BaseException:
+def _offloader_error(offloader: Offloader, what: str, nbytes: int, exc: BaseException) -> BaseException:
     """``exc`` as the ``OffloadIOError`` raised in the training step."""
     if isinstance(exc, OffloadIOError):
         return exc
@@ -66,12 +73,12 @@ def _offloader_error(offloader: Any, what: str, nbytes: int, exc: BaseException)
 class TransferWorkers:
     """Transfer-running methods of ``Engine`` (a mixin: state lives in ``Engine``)."""
 
-    lock: Any
-    cond: Any
-    _store_ready: Any
-    _load_ready: Any
-    _store_q: Any
-    _load_q: Any
+    lock: threading.RLock
+    cond: threading.Condition
+    _store_ready: threading.Condition
+    _load_ready: threading.Condition
+    _store_q: collections.deque[Entry]
+    _load_q: collections.deque[Entry]
     _threads: list[threading.Thread]
     _num_threads: dict[str, int]
     _stopping: bool
@@ -80,19 +87,22 @@ class TransferWorkers:
     timeout_s: float
     _warned_keep: bool
     _warned_resized: bool
+    # An Offloader: the workers run only with one (the Engine's is None for offloader="none",
+    # so a precise type would need a None check per transfer here).
     offloader: Any
-    streams: Any
-    trace: Any
-    step: Any
+    streams: StreamLayer
+    trace: TraceRecorder
+    step: CacheStats
+    # ``offloader.store_now`` (returns a token or None), or None: the inline path checks first.
     _store_now: Any
     error: BaseException | None
     dead: TBAError | None
     raised_this_step: bool
     orphans: set[Entry]
-    _apply: Any
-    _notify_done: Any
-    _notify_everyone: Any
-    _release_token: Any
+    _apply: Callable[[Entry, Event], State]
+    _notify_done: Callable[[], None]
+    _notify_everyone: Callable[[], None]
+    _release_token: Callable[[Transfer], None]
 
     # ----------------------------------------------------------------- threads
     def _start_workers(self) -> None:
@@ -122,7 +132,7 @@ class TransferWorkers:
                 )
         self._threads = []
 
-    def _run_worker(self, target: Any) -> None:
+    def _run_worker(self, target: Callable[[], None]) -> None:
         """Note [Dead workers]: an exception escaping a worker loop is a tba bug (offloader
         failures are caught and accounted inside it). The thread would die silently, and the
         training thread would then wait for room or for a load; instead every later hook
@@ -166,7 +176,7 @@ class TransferWorkers:
         self.trace.span("store", start, end, entry.nbytes, True)
         xfer.inline = True
         xfer.token = token
-        xfer.page_offset = storage.data_ptr() % PAGE_BYTES
+        xfer.page_offset = storage.data_ptr() % DIRECT_IO_ALIGNMENT
         self.step.write_s += end - start
         self._apply(entry, E.STORED_INLINE)
         self._let_go(entry)
@@ -182,6 +192,9 @@ class TransferWorkers:
             release_alias(alias)
 
     def _store_worker(self) -> None:
+        entry: Entry | None  # None between jobs: Note [Workers hold nothing]
+        storage: torch.UntypedStorage | None
+        xfer: Transfer | None
         while True:
             with self.lock:
                 while not self._stopping and (not self._store_q or self._load_q):
@@ -208,9 +221,9 @@ class TransferWorkers:
             self._run_store(entry, storage, xfer)
             # Note [Workers hold nothing]: a finished job's locals would keep the entry, its
             # scope and the storage alive while the worker idles.
-            entry = storage = xfer = None  # type: ignore[assignment]
+            entry = storage = xfer = None
 
-    def _run_store(self, entry: Entry, storage: Any, xfer: Transfer) -> None:
+    def _run_store(self, entry: Entry, storage: torch.UntypedStorage, xfer: Transfer) -> None:
         """On a store worker, no lock held, the entry STORING: copy ``storage`` out."""
         start = time.perf_counter()
         src = storage_bytes(storage)
@@ -225,7 +238,7 @@ class TransferWorkers:
         self.trace.span("store", start, end, entry.nbytes, failure is None)
         resized = failure is None and storage.nbytes() != entry.nbytes
         # Note [Reload buffers at the source's page offset]
-        page_offset = storage.data_ptr() % PAGE_BYTES if storage.device.type == "cpu" else 0
+        page_offset = storage.data_ptr() % DIRECT_IO_ALIGNMENT if storage.device.type == "cpu" else 0
         del storage
         with self.lock:
             self.step.io_cpu_s += cpu.seconds
@@ -319,6 +332,8 @@ class TransferWorkers:
 
     # ----------------------------------------------------------------- loads
     def _load_worker(self) -> None:
+        entry: Entry | None  # None between jobs: Note [Workers hold nothing]
+        xfer: Transfer | None
         while True:
             with self.lock:
                 while not self._stopping and not self._load_q:

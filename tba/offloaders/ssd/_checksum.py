@@ -37,10 +37,11 @@ import numpy as np
 import torch
 
 from tba.offloaders._byte_views import bytes_view
+from tba.settings import CHECKSUM_BLOCK_BYTES
 
 __all__ = ["BLOCK_BYTES", "Digest", "Accumulator", "digest_of", "piece_sums"]
 
-BLOCK_BYTES = 512
+BLOCK_BYTES = CHECKSUM_BLOCK_BYTES
 _WORDS = BLOCK_BYTES // 8
 _MASK = (1 << 64) - 1
 

@@ -23,6 +23,7 @@ from tba.offloaders.ssd._private_dir import PrivateDir
 from tba.offloaders.ssd._stale_dirs import remove_stale_dirs
 from tba.offloaders.ssd._slabs import SlabDir
 from tba.offloaders.ssd._tokens import Extent, SSDToken, Summer, check_digests, check_owned, request_for, summer
+from tba.settings import SSD_CHUNK_BYTES, SSD_SLAB_BYTES, SSD_STRIPE_MIN_BYTES
 
 __all__ = ["SSDOffloader", "SSDToken"]
 
@@ -146,9 +147,9 @@ class SSDOffloader:
         dirs: Sequence[str] | str | None = None,
         engine: EngineName = "auto",
         rank: int | None = None,
-        slab_bytes: int = 1024 * _MiB,
-        stripe_min_bytes: int = 1 * _MiB,
-        chunk_bytes: int = 8 * _MiB,
+        slab_bytes: int = SSD_SLAB_BYTES,
+        stripe_min_bytes: int = SSD_STRIPE_MIN_BYTES,
+        chunk_bytes: int = SSD_CHUNK_BYTES,
         num_io_threads: int = 4,
         num_staging_buffers: int = 8,
         expected_bytes: int | None = None,

@@ -7,11 +7,13 @@ import logging
 import os
 import threading
 
+from tba.settings import DIRECT_IO_ALIGNMENT
+
 __all__ = ["ALIGNMENT", "PosixFile", "notice_once"]
 
 logger = logging.getLogger("tba.offloaders.ssd._posix")
 
-ALIGNMENT = 4096  # O_DIRECT address, offset and length alignment we keep to
+ALIGNMENT = DIRECT_IO_ALIGNMENT  # O_DIRECT address, offset and length alignment we keep to
 
 _notice_lock = threading.Lock()
 _noticed: set[str] = set()

@@ -22,13 +22,14 @@ from tba.errors import OffloadIOError
 from tba.offloaders.extents import ExtentAllocator
 from tba.offloaders.ssd._engine import IOEngine, io_error
 from tba.offloaders.ssd._private_dir import PrivateDir
+from tba.settings import SSD_MIN_GROW_BYTES
 
 __all__ = ["Slab", "SlabDir", "free_disk_bytes"]
 
 logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
-_MIN_GROW_BYTES = 4 * _MiB
+
 
 
 def free_disk_bytes(path: str) -> int:
@@ -98,7 +99,7 @@ class SlabDir:
                 if offset is not None:
                     return slab, offset, self._own(slab, offset)
             capacity = sum(s.allocator.capacity_bytes for s in self._slabs)
-            target = min(self._slab_bytes, max(_MIN_GROW_BYTES, capacity))
+            target = min(self._slab_bytes, max(SSD_MIN_GROW_BYTES, capacity))
             slab = self._add_slab(max(num_bytes, target))
             offset = slab.allocator.allocate(num_bytes)
             assert offset is not None, "a fresh slab is at least as large as the request"
