@@ -176,9 +176,12 @@ class CacheHooks:
             for t in itertools.chain(model.parameters(), model.buffers())
             if not compat.is_functorch_wrapped(t)  # torch.func.functional_call's stand-ins
         )
-        _, opened = self.tracker.begin_forward()
+        record, opened = self.tracker.begin_forward()
         profile = steps.profile
         steps.begin_forward(inputs, opened)
+        # Note [Closed loop]: a keep step offloads nothing. Read after the steps have begun
+        # this forward: a profile due now (new input shapes) sets the boundary back.
+        record.in_tail = self.tracker.boundary.keep_all
         if steps.profile is not profile and steps.profile is not None:
             self.run_order.start()  # Note [Blocks in run order]: observed again with each profile
         saved.profile = steps.profile

@@ -115,7 +115,6 @@ class StepTracker:
         if old is not None:
             self._detach(old)
         record = self.records[key] = Record(key, keep_tail, next(self._seq))
-        record.in_tail = self.boundary.keep_all  # Note [Closed loop]: keep steps offload nothing
         opened, self.open = not self.open, True
         self.num_active += 1
         self.num_forwards += 1
