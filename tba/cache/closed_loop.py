@@ -68,22 +68,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tba.cache.paired_ratios import PairedOverhead, judge, median
+from tba.settings import CLOSED_LOOP_BASELINE_KEEPS as BASELINE_KEEPS
+from tba.settings import CLOSED_LOOP_CONFIDENCE as CONFIDENCE
+from tba.settings import CLOSED_LOOP_DRIFT_WINDOW as DRIFT_WINDOW
+from tba.settings import CLOSED_LOOP_KEEP_EVERY as KEEP_EVERY
+from tba.settings import CLOSED_LOOP_KEEP_MARGIN as KEEP_MARGIN
+from tba.settings import CLOSED_LOOP_MAX_PAIRS as MAX_PAIRS
+from tba.settings import CLOSED_LOOP_MAX_PROBE_STEPS as MAX_PROBE_STEPS
+from tba.settings import CLOSED_LOOP_MIN_PAIRS as MIN_PAIRS
+from tba.settings import CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD as MIN_SAVING_PER_OVERHEAD
+from tba.settings import CLOSED_LOOP_RECHECK_EVERY_STEPS as RECHECK_EVERY_STEPS
+from tba.settings import CLOSED_LOOP_RUN as RUN
 
 __all__ = ["OverheadLoop", "LoopEvent", "free_memory_bytes", "KEEP_MARGIN", "MAX_PROBE_STEPS"]
 
 logger = logging.getLogger(__name__)
 
-KEEP_MARGIN = 1.25  # free memory a keep step needs, over the bytes it keeps in addition
-RUN = 2  # steps per run of one kind in a measurement; only the last is timed
-CONFIDENCE = 0.8  # of each one-sided bound on the median paired ratio
-MIN_PAIRS = 3  # pairs before a verdict: the fewest that bound the median at CONFIDENCE
-MAX_PAIRS = 5  # pairs per boundary at most; still undecided: the cheaper side
-MAX_PROBE_STEPS = 48  # measured steps per check at most: it settles within them
-MIN_SAVING_PER_OVERHEAD = 5.0  # worth it: saved fraction >= this x the overhead
-KEEP_EVERY = 20  # steady steps between runs of keep steps that refresh the baseline
-BASELINE_KEEPS = 5  # timed keep steps whose median is the baseline
-DRIFT_WINDOW = 5  # steady steps whose median is compared with the baseline
-RECHECK_EVERY_STEPS = 500  # steady steps between re-checks from a new profile
 
 
 def free_memory_bytes(cuda: bool) -> int:
