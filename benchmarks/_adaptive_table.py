@@ -30,6 +30,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import tba  # noqa: E402
 from tba.rok._worker import build_model  # noqa: E402
+from tba.testing import probe  # noqa: E402
 
 from _environment import describe  # noqa: E402
 
@@ -101,12 +102,12 @@ def _run_threads(args: argparse.Namespace, threads: int, modes: list[str]) -> di
         times, stats = run["times"], run["stats"]
         cache = run["cache"]
         decision = cache.adaptive_decision
-        history = list(cache._steps.history)
+        history = probe(cache).history
         # Steady: the last --steady steps; for adaptive only those at its final boundary (its
         # keep and profile steps of a re-check are counted in the all-steps figures).
-        steady = [i for i in range(len(times) - args.steady, len(times))
-                  if decision is None or "adaptive" not in mode
-                  or history[i][2] == decision.tail_start]
+        last = range(len(times) - args.steady, len(times))
+        steady = [i for i in last if decision is None or "adaptive" not in mode
+                  or history[i][2] == decision.tail_start] or list(last)  # still measuring
         steady_stats = [stats[i] for i in steady]
         rows[mode] = {
             "mode": mode,
@@ -154,11 +155,17 @@ def _print(result: dict) -> None:
         print(f"    adaptive: {adaptive['decision']}")
 
 
-def main(args: argparse.Namespace) -> dict:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+def parse_choices(text: str, allowed, option: str) -> list[str]:
+    """A comma-separated ``option`` value, each item one of ``allowed``."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in items if item not in allowed]
     if unknown:
-        raise SystemExit(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+        raise SystemExit(f"{option}: unknown {unknown}; choose from {list(allowed)}")
+    return items
+
+
+def main(args: argparse.Namespace) -> dict:
+    modes = parse_choices(args.modes, MODES, "--modes")
     env = describe("cpu")
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     print(f"workload: GPT-2 {args.layers} layers, hidden {args.hidden}, batch {args.table_batch}, "

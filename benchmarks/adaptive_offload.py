@@ -12,6 +12,12 @@ boundary keeps the later blocks in memory so the step stays fast.
     python benchmarks/adaptive_offload.py --table --out benchmarks/results/cpu/adaptive_table.json
         # GPT-2 12 x 256, batch 16, seq 128 at 1 and 2 torch threads: keep vs adaptive (closed
         # loop) vs fixed host and ssd, interleaved (benchmarks/_adaptive_table.py)
+    flock -x /work/.cpu.lock python benchmarks/adaptive_offload.py --long --threads 1,2 \
+        --noise none --prefix benchmarks/results/cpu/adaptive_long_quiet --out /tmp/long.json
+    flock -x /work/.cpu.lock python benchmarks/adaptive_offload.py --long --threads 1,2 \
+        --noise busy --prefix benchmarks/results/cpu/adaptive_long_busy --out /tmp/long_busy.json
+        # the closed loop over a long run: plain and tba twins (defaults, offloader ssd) stepped
+        # alternately, 100 steps, with and without injected noise (benchmarks/_adaptive_long.py)
 """
 
 from __future__ import annotations
@@ -129,12 +135,18 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="adaptive_offload.json")
     p.add_argument("--table", action="store_true",
                    help="run the GPT-2 table workload instead (options below)")
+    import _adaptive_long
     import _adaptive_table
 
     _adaptive_table.add_arguments(p)
+    _adaptive_long.add_arguments(p)
     args = p.parse_args(argv)
+    if args.table and args.long:
+        p.error("--table and --long are two different runs: choose one")
     if args.table:
         return _adaptive_table.main(args)
+    if args.long:
+        return _adaptive_long.main(args)
     env = describe(args.device)
     print(" ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     rows = [run(args, mode) for mode in ("keep", "fixed", "adaptive")]

@@ -99,7 +99,7 @@ def configure_tensor_cache(
     return cache
 
 
-def _unregister(model_ref: weakref.ref) -> None:
+def _unregister(model_ref: weakref.ref[nn.Module]) -> None:
     from tba.integrations import registry
 
     model = model_ref()
@@ -124,7 +124,8 @@ def get_tensor_cache(model: nn.Module) -> TensorCache | None:
         inner = getattr(model, "module", None)  # DDP, FSDP1, DeepSpeed engines
         if isinstance(inner, nn.Module):
             found = registry.get(inner)
-    return found
+    # Only configure_tensor_cache registers here outside tests (whose fakes are no TensorCache).
+    return found if isinstance(found, TensorCache) else None
 
 
 def _resolve_config(config: TensorCacheConfig | None, options: dict[str, Any]) -> TensorCacheConfig:

@@ -6,7 +6,8 @@ of these, this module is the only place to mend.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.autograd.profiler as _autograd_profiler
@@ -66,7 +67,8 @@ def release_alias(alias: torch.Tensor) -> None:
     in-place ops bump the counter, so no thread ever sees a transient version change (autograd
     checks that a pack hook leaves its input's version alone)."""
     with torch._C._AutoDispatchBelowADInplaceOrView():
-        alias.set_()  # an empty storage of the same dtype and device
+        # An empty storage of the same dtype and device; torch's stubs lack the no-argument form.
+        alias.set_()  # type: ignore[call-overload]
 
 
 def in_functorch_transform() -> bool:
@@ -128,20 +130,24 @@ def is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def call_outside_compile(fn: Any, *args: Any, **kwargs: Any) -> Any:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def call_outside_compile(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
     """``fn(*args, **kwargs)``; Dynamo does not trace this call (it breaks the graph and runs
     it eagerly) nor, with ``keep_dynamo_out``, any frame below it."""
     return fn(*args, **kwargs)
 
 
-call_outside_compile._torchdynamo_disable = True  # type: ignore[attr-defined]
-call_outside_compile._torchdynamo_disable_msg = FULLGRAPH_MESSAGE  # type: ignore[attr-defined]
+setattr(call_outside_compile, "_torchdynamo_disable", True)  # markers Dynamo reads
+setattr(call_outside_compile, "_torchdynamo_disable_msg", FULLGRAPH_MESSAGE)
 
 _refusal_class: type | None = None
 num_traced_hooks = 0  # tba hooks Dynamo traced, process-wide (Note [tba under torch.compile])
 
 
-def _at_trace_time(ctx: Any) -> None:
+def _at_trace_time(ctx: object) -> None:
     """Run by Dynamo at trace time (``comptime``): count, and raise under ``fullgraph=True``."""
     global _refusal_class, num_traced_hooks
     num_traced_hooks += 1
@@ -168,7 +174,7 @@ def note_traced_hook() -> None:
     comptime(_at_trace_time)
 
 
-def keep_dynamo_out(*functions: Any) -> None:
+def keep_dynamo_out(*functions: Callable[..., object]) -> None:
     """Have Dynamo's frame evaluator skip ``functions`` and every frame they call (they run
     as plain Python even when called from compiled code). Idempotent; no-op on torch builds
     without ``set_code_exec_strategy``."""
@@ -193,20 +199,29 @@ def graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-def queue_end_of_backward(callback: Any) -> None:
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback()`` when the backward pass running on this thread ends (autograd's
     final callbacks: after its last node ran, before ``backward()`` returns; an exception it
     raises is raised by ``backward()``). Call only from inside a backward pass."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 # ---------------------------------------------------------------------------- saved-tensor hooks
-def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+# A saved-tensor hook pair: pack returns whatever its hook keeps (arbitrary), unpack takes that
+# back to a tensor.
+PackHook = Callable[[torch.Tensor], Any]
+UnpackHook = Callable[[Any], torch.Tensor]
+
+
+def top_saved_tensors_hooks() -> tuple[PackHook, UnpackHook] | None:
     """The (pack, unpack) pair autograd calls for a tensor saved now on this thread: the top
     of the thread's stack of default saved-tensor hooks (``saved_tensors_hooks`` contexts),
     or None when the stack is empty (Note [Outer saved-tensor hooks] in
     tba/cache/hook_stack.py)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    # torch's stub omits the None it returns when the stack is empty.
+    top: tuple[PackHook, UnpackHook] | None = (
+        torch._C._autograd._top_saved_tensors_default_hooks(False))
+    return top
 
 
 # Note [register_hooks on a saved tensor]: ``grad_fn._raw_saved_<name>`` is a
@@ -216,19 +231,21 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
 # were active. While a tensor cache exists (the first cache wraps the method, the last one to
 # close or be collected puts the original back; importing tba changes nothing) tba turns that
 # error into a TBAError when tba's own hooks packed the tensor. Checked against torch 2.13.
-_saved_tensor_register_hooks: Any = None  # the original method while wrapped
+_saved_tensor_register_hooks: Callable[..., None] | None = None  # the original while wrapped
 
 
-def wrap_saved_tensor_register_hooks(translate: Any) -> None:
+def wrap_saved_tensor_register_hooks(
+        translate: Callable[[RuntimeError], BaseException | None]) -> None:
     """Replace ``SavedTensor.register_hooks`` by a wrapper that calls the original and, on a
     RuntimeError, raises ``translate(error)`` instead when that returns an exception. Idempotent."""
     global _saved_tensor_register_hooks
     cls = torch._C._autograd.SavedTensor
     if _saved_tensor_register_hooks is not None:
         return
-    original = cls.register_hooks
+    # torch's stub of SavedTensor omits register_hooks (a method of the C++ class).
+    original: Callable[..., None] = cls.register_hooks  # type: ignore[attr-defined]
 
-    def register_hooks(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def register_hooks(self: torch._C._autograd.SavedTensor, *args: Any, **kwargs: Any) -> None:
         try:
             return original(self, *args, **kwargs)
         except RuntimeError as error:
@@ -238,9 +255,9 @@ def wrap_saved_tensor_register_hooks(translate: Any) -> None:
             raise better from error
 
     register_hooks.__doc__ = original.__doc__
-    register_hooks._tba_wrapper = True  # type: ignore[attr-defined]
+    setattr(register_hooks, "_tba_wrapper", True)  # a marker tests look for
     _saved_tensor_register_hooks = original
-    cls.register_hooks = register_hooks
+    cls.register_hooks = register_hooks  # type: ignore[attr-defined]  # see `original` above
 
 
 def unwrap_saved_tensor_register_hooks() -> None:
@@ -248,4 +265,5 @@ def unwrap_saved_tensor_register_hooks() -> None:
     global _saved_tensor_register_hooks
     original, _saved_tensor_register_hooks = _saved_tensor_register_hooks, None
     if original is not None:
-        torch._C._autograd.SavedTensor.register_hooks = original
+        # torch's stub of SavedTensor omits register_hooks (see wrap_... above).
+        torch._C._autograd.SavedTensor.register_hooks = original  # type: ignore[attr-defined]

@@ -61,9 +61,10 @@ class TensorCacheConfig:
         max_step_overhead: closed loop for ``adaptive``: after the rule has decided, steps
             offloading its blocks are timed against steps keeping every block, and tba
             offloads only as many leading blocks as keep the step within this fraction of
-            keep (0.05: 5% slower at most); checked again periodically and when the step time
-            drifts (docs/policy.md). The keep steps hold every activation in memory for one
-            step each. ``None``: the rule alone, no measured steps.
+            keep (0.05: 5% slower at most) and are worth it (docs/policy.md), settling within
+            48 measured steps; the settled boundary is watched against new keep steps and
+            checked again when it runs over. The keep steps hold every activation in memory
+            for one step each. ``None``: the rule alone, no measured steps.
         activation_budget_bytes: budget mode: the most device memory the cache may hold for
             saved activations at the step's peak (``stats().peak_resident_bytes``). The
             profiled step measures the peak with every block offloaded, then tba offloads the

@@ -15,6 +15,17 @@ import mmap
 __all__ = [
     "BANDWIDTH_DRIFT",
     "CHECKSUM_BLOCK_BYTES",
+    "CLOSED_LOOP_BASELINE_KEEPS",
+    "CLOSED_LOOP_CONFIDENCE",
+    "CLOSED_LOOP_DRIFT_WINDOW",
+    "CLOSED_LOOP_KEEP_EVERY",
+    "CLOSED_LOOP_KEEP_MARGIN",
+    "CLOSED_LOOP_MAX_PAIRS",
+    "CLOSED_LOOP_MAX_PROBE_STEPS",
+    "CLOSED_LOOP_MIN_PAIRS",
+    "CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD",
+    "CLOSED_LOOP_RECHECK_EVERY_STEPS",
+    "CLOSED_LOOP_RUN",
     "DIRECT_IO_ALIGNMENT",
     "HOST_POOL_ALIGNMENT",
     "HOST_POOL_MIN_SLAB_BYTES",
@@ -62,6 +73,34 @@ MAX_TRACE_EVENTS_PER_STEP: int = 1_000_000
 # Factor (plain) by which the measured write bandwidth must move from the profiled one before
 # the policy re-profiles: smaller factors re-profile on the ordinary jitter of a shared disk.
 BANDWIDTH_DRIFT: float = 1.5
+
+# ---- the closed loop (tba/cache/closed_loop.py, docs/policy.md) ---------------------------
+# Free memory a keep step needs (plain factor) over the bytes it keeps in addition: a keep step
+# holds every activation, so the loop measures keep steps only with this headroom.
+CLOSED_LOOP_KEEP_MARGIN: float = 1.25
+# Steps (count) per run of one kind (offload or keep) in a measurement; only the last is timed,
+# so a step never pays for the transfers of the other kind's step before it.
+CLOSED_LOOP_RUN: int = 2
+# Confidence (fraction) of each one-sided distribution-free bound on the median paired ratio.
+CLOSED_LOOP_CONFIDENCE: float = 0.8
+# Pairs (count) before a verdict: the fewest that bound the median at CLOSED_LOOP_CONFIDENCE.
+CLOSED_LOOP_MIN_PAIRS: int = 3
+# Pairs (count) per boundary at most; still undecided after them: the cheaper side (fewer blocks).
+CLOSED_LOOP_MAX_PAIRS: int = 5
+# Measured steps (count) per check at most: a check settles within them.
+CLOSED_LOOP_MAX_PROBE_STEPS: int = 48
+# Worth it (plain factor): a boundary's offloaded fraction of the blocks' activation bytes must
+# be at least this times its step-time overhead (5: each 1% of step time saves >= 5% of bytes).
+CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD: float = 5.0
+# Steady steps (count) between runs of keep steps that refresh the keep baseline.
+CLOSED_LOOP_KEEP_EVERY: int = 20
+# Timed keep steps (count) whose median is the keep baseline.
+CLOSED_LOOP_BASELINE_KEEPS: int = 5
+# Steady steps (count) whose median is compared with the keep baseline for drift.
+CLOSED_LOOP_DRIFT_WINDOW: int = 5
+# Steady steps (count) between re-checks from a new profile: contention that went away is seen
+# only by offloading again.
+CLOSED_LOOP_RECHECK_EVERY_STEPS: int = 500
 
 # ---- host pool (tba/offloaders/host.py) ---------------------------------------------------
 # Alignment (bytes) of extents in the host pool: keeps every stored tensor aligned for vector

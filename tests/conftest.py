@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -13,6 +14,14 @@ from tba import _env
 # inherit the environment) checks its bookkeeping after each completed step and raises
 # TBAError in the training step on a violation.
 os.environ.setdefault("TBA_CHECK_INVARIANTS", "1")
+
+# Note [Suites started in the background]: a shell without job control starts a background
+# command (`pytest ... &`) with SIGINT ignored, and its children inherit that. tba leaves an
+# ignored SIGINT alone (the script chose it), so the tests of tba's Ctrl-C handling, and the
+# child processes that check what `import tba` installs, would see a process no user's
+# training script runs in. Put Python's default handler back for the suite.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _cuda_available() -> bool:

@@ -1,6 +1,7 @@
 """`StepClock`: how the cache times steps and blocks (wall clock on CPU, CUDA events on GPU).
 
-Injected into the cache's steps so tests can drive the closed loop (Note [Closed loop]) with a
+Injected into the cache's steps (``tba.testing.drive_closed_loop``, with
+``tba.testing.FakeStepClock``) so tests can drive the closed loop (Note [Closed loop]) with a
 clock of their own instead of timing races.
 """
 
@@ -54,7 +55,8 @@ class CudaEventClock:
     def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float | None:
         if not end.query():
             return None
-        return start.elapsed_time(end) / 1e3
+        seconds: float = start.elapsed_time(end) / 1e3
+        return seconds
 
     def wait(self, mark: torch.cuda.Event) -> None:
         mark.synchronize()

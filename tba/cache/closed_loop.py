@@ -2,48 +2,88 @@
 
 Note [Closed loop]: the TBA rule decides from write bandwidth against compute time and cannot
 see that transfers also take CPU time, memory bandwidth or PCIe away from compute. After the
-rule has decided (boundary ``c``), the loop measures steps: steps that keep every block (the
-keep probe: nothing offloaded at all) alternate with steps that offload blocks ``[0, c)``, until
-each has ``num_samples`` samples. The overhead is the median, over adjacent (keep, offload)
-pairs, of the offload step's time over the keep step's, minus 1: pairing cancels slow drift of
-the machine (other processes, clocks), the median a single disturbed step. When the pairs
-disagree by more than twice ``max_step_overhead`` (a loaded machine), pairs are added, up to
-``MAX_SAMPLES``; if they still disagree, other processes' load (which only ever adds time)
-dominates the pairs, and the overhead is taken from each kind's fastest step instead (the
-least disturbed one; the cache's own transfers slow every offloading step, the fastest too). If the overhead is within ``max_step_overhead``, ``c``
-stands. Otherwise the
-overhead is taken as proportional to the bytes offloaded, the largest boundary whose bytes fit
-the allowed overhead is measured next, and so on down to keeping every block. Conditions are
-checked again (a new profile, the rule, then these measurements) every ``recheck_every`` steady
-steps (contention that went away is seen only by offloading again) and when the median of the
-last ``window`` steps drifts by more than ``drift`` from the accepted time (a slower disk shows
-here too: it replaces the write-bandwidth trigger of the open rule, whose measurements move
-with the boundary). The loop only reads step times: the cache's steps feed it (``observe``)
-and apply the boundary it returns. Tested with an injected clock in
+rule has decided (boundary ``c``: blocks ``[0, c)`` may go), the loop measures steps and keeps
+only a boundary that (a) costs at most ``max_overhead`` over steps that keep every block, and
+(b) is worth its cost.
+
+*Measuring a boundary* ``n``: runs of two steps keeping every block (keep steps: nothing
+offloaded at all) alternate with runs of two steps offloading ``[0, n)``, and only the second
+step of each run is timed. Offloading leaves work behind for the steps after it (memory to
+fault in again, I/O still draining): measured on the 2-core CPU machine, a keep step right
+after an offload step ran 12% slower than one after a keep step, and an offload step after an
+offload step 17-36% slower than one after a keep step, so strictly alternating steps hid
+most of the cost. The second step of a run sees what a steady run sees. Each (keep, offload)
+pair of second steps gives a ratio, and the verdict comes from their median and
+distribution-free bounds on it (Note [Bounds on the median ratio]): within the budget when
+the upper bound is, over it when the lower bound is, otherwise more pairs (from ``min_pairs``
+to ``max_pairs``) and, still undecided, the cheaper side: over. Pairing cancels a machine
+that speeds up or slows down during the measurement, the median and its bounds a disturbed
+step; no decision rests on the fastest sample.
+
+*Worth it*: offloading ``[0, n)`` saves ``s`` = its bytes over all the blocks' offloadable
+bytes, at measured cost ``m`` (the median overhead). It is worth it when ``m <= 0`` or
+``s >= min_saving_per_overhead * m`` (by default 5: each 1% of step time must take at least 5%
+of the blocks' activation bytes out of memory; at the 5% budget a boundary must save 25%).
+A boundary within the budget that is not worth it fails: the search goes to fewer blocks, and
+when nothing qualifies every block is kept (the keep steps have shown there is memory for it).
+
+*A check* searches ``[0, c]``, ``c`` first (where transfers hide, the rule is right). ``lo`` is
+the largest boundary that passed (0 at first), ``hi`` the largest not yet failed; the next
+boundary is the middle ``(lo + hi + 1) // 2`` (bisection over the number of offloaded blocks),
+or fewer when the last failure's overhead per offloaded byte predicts the middle over the
+budget or not worth it: then the largest boundary predicted to pass (at least ``lo + 1``: a
+prediction picks what to measure, never decides alone). A boundary that passes while that
+prediction fails the next larger one ends the search there (the cheaper side). A check settles
+at ``lo`` when ``lo == hi``, and never measures more than ``max_probe_steps`` steps (keep and
+offload steps alike): it settles within that many steps after it starts, whatever the noise.
+``probe_steps`` and ``settled_at_step`` report it.
+
+*Steady*: the settled boundary is watched against the *keep baseline* (the median of the last
+timed keep steps), not against its own accepted time. A run of two keep steps every
+``keep_every`` steady steps refreshes the baseline (when the memory for it is free:
+``can_keep``). When the median of the last ``window`` steady steps (at least ``min_pairs``) is
+more than ``max_overhead`` above the baseline, the boundary is checked again at once, from
+``[0, n]`` down: from the next step on at most half the steps offload until the verdict, a
+boundary that went over the budget is measured over and backed off within ``window +
+4 * max_pairs`` steps, and the check settles within ``max_probe_steps``. Every
+``recheck_every`` steady steps conditions are checked again from a new profile (the rule, then
+a check): contention that went away is seen only by offloading again. The loop only reads
+step times: the cache's steps feed them (``observe``) and apply the boundary it returns.
+Tested with scripted step times in tests/cache/test_overhead_loop.py and, in the
+cache with a fake clock installed by ``tba.testing.drive_closed_loop``,
 tests/cache/test_closed_loop.py.
 
 A keep step holds every activation of the step in memory, which offloading was meant to avoid:
-the loop measures only when the memory free at the decision covers what the rule's boundary
-would have offloaded (``free_memory_bytes``, with a margin); otherwise the rule's boundary stands
-and the decision says why. ``max_step_overhead=None`` turns the loop off.
+the cache starts the loop only when the memory free at the decision covers what the rule's
+boundary would have offloaded (``free_memory_bytes``, with a margin); otherwise the rule's
+boundary stands and the decision says why. ``max_step_overhead=None`` turns the loop off.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["OverheadLoop", "free_memory_bytes", "KEEP_MARGIN"]
+from tba.cache.paired_ratios import PairedOverhead, judge, median
+from tba.settings import CLOSED_LOOP_BASELINE_KEEPS as BASELINE_KEEPS
+from tba.settings import CLOSED_LOOP_CONFIDENCE as CONFIDENCE
+from tba.settings import CLOSED_LOOP_DRIFT_WINDOW as DRIFT_WINDOW
+from tba.settings import CLOSED_LOOP_KEEP_EVERY as KEEP_EVERY
+from tba.settings import CLOSED_LOOP_KEEP_MARGIN as KEEP_MARGIN
+from tba.settings import CLOSED_LOOP_MAX_PAIRS as MAX_PAIRS
+from tba.settings import CLOSED_LOOP_MAX_PROBE_STEPS as MAX_PROBE_STEPS
+from tba.settings import CLOSED_LOOP_MIN_PAIRS as MIN_PAIRS
+from tba.settings import CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD as MIN_SAVING_PER_OVERHEAD
+from tba.settings import CLOSED_LOOP_RECHECK_EVERY_STEPS as RECHECK_EVERY_STEPS
+from tba.settings import CLOSED_LOOP_RUN as RUN
+
+__all__ = ["OverheadLoop", "LoopEvent", "free_memory_bytes", "KEEP_MARGIN", "MAX_PROBE_STEPS"]
 
 logger = logging.getLogger(__name__)
 
-KEEP_MARGIN = 1.25  # free memory a keep step needs, over the bytes it keeps in addition
-RECHECK_EVERY_STEPS = 500  # steady steps between re-checks
-NUM_SAMPLES = 3  # step-time samples per boundary in a check
-MAX_SAMPLES = 9  # ... when the pairs disagree
-DRIFT_WINDOW = 5  # steady steps whose median is compared with the accepted time
-STEP_DRIFT = 1.25  # a re-check when that median moves by this factor
 
 
 def free_memory_bytes(cuda: bool) -> int:
@@ -59,160 +99,298 @@ def free_memory_bytes(cuda: bool) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _median(values: Iterable[float]) -> float:
-    # Not ``statistics.median``: importing ``statistics`` loads native modules, and
-    # ``import tba`` loads none.
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+@dataclasses.dataclass(frozen=True)
+class LoopEvent:
+    """A decision of the loop, for logs and timelines.
+
+    Attributes:
+        step: the step whose time led to it (None when the feeder gave no step numbers).
+        kind: ``"measure"`` (start measuring ``tail_start``), ``"pass"`` / ``"fail"`` (its
+            verdict), ``"settle"`` (the check ends at ``tail_start``), ``"suspect"`` (steady
+            steps look over budget: check again), ``"recheck"`` (a new profile is due).
+        tail_start: the boundary concerned.
+        text: one line saying why.
+    """
+
+    step: int | None
+    kind: str
+    tail_start: int
+    text: str
 
 
 class OverheadLoop:
-    """Chooses among boundaries ``[0, rule]`` by measured step time.
+    """Chooses among boundaries ``[0, rule]`` by measured step time (Note [Closed loop]).
 
     Args:
         max_overhead: the allowed step-time overhead over keeping every block (0.05 = 5%).
+        can_keep: whether a keep step fits in memory, given the bytes it holds beyond a step
+            at the running boundary (steady keep steps and re-checks ask; None: always).
+
+    Example:
+        >>> loop = OverheadLoop(0.05)
+        >>> at = loop.start(2, [10, 10, 10])  # the rule allows blocks [0, 2): keep steps first
+        >>> for _ in range(12):  # keep, keep, offload, offload, ...: three timed pairs
+        ...     at = loop.observe(at, 1.0 if at == 0 else 1.01)
+        >>> at, loop.probing, loop.probe_steps
+        (2, False, 12)
     """
 
     def __init__(
         self,
         max_overhead: float,
         *,
-        num_samples: int = NUM_SAMPLES,
-        max_samples: int = MAX_SAMPLES,
-        recheck_every: int | None = None,
+        can_keep: Callable[[int], bool] | None = None,
+        min_pairs: int = MIN_PAIRS,
+        max_pairs: int = MAX_PAIRS,
+        max_probe_steps: int = MAX_PROBE_STEPS,
+        confidence: float = CONFIDENCE,
+        min_saving_per_overhead: float = MIN_SAVING_PER_OVERHEAD,
+        keep_every: int = KEEP_EVERY,
         window: int = DRIFT_WINDOW,
-        drift: float = STEP_DRIFT,
+        recheck_every: int = RECHECK_EVERY_STEPS,
     ) -> None:
         self.max_overhead = max_overhead
-        self.num_samples = num_samples
-        self.max_samples = max(max_samples, num_samples)
-        self.recheck_every = RECHECK_EVERY_STEPS if recheck_every is None else recheck_every
-        self.drift = drift
+        self.can_keep = can_keep or (lambda num_bytes: True)
+        self.min_pairs = min_pairs
+        self.max_pairs = max(max_pairs, min_pairs)
+        self.max_probe_steps = max(max_probe_steps, 2 * RUN * min_pairs)
+        self.confidence = confidence
+        self.min_saving_per_overhead = min_saving_per_overhead
+        self.keep_every = keep_every
+        self.window = window
+        self.recheck_every = recheck_every
         self.rule = 0  # the boundary the rule allows
-        self.candidate = 0  # the boundary being measured (probing) or accepted (steady)
+        self.candidate = 0  # the boundary being measured (probing) or settled (steady)
         self.probing = False
-        self.keep_s: float | None = None  # medians of the last completed check
-        self.offload_s: float | None = None
-        self.overhead: float | None = None  # median paired overhead of the last check
+        self.last: PairedOverhead | None = None  # the last verdict, and its boundary
+        self.last_tail_start: int | None = None
+        self.probe_steps = 0  # measured steps of the running or last check
+        self.settled_at_step: int | None = None
         self.reason = "not started"
+        self.events: collections.deque[LoopEvent] = collections.deque(maxlen=256)
         self._block_bytes: tuple[int, ...] = ()
+        self._lo = self._hi = 0
+        self._per_byte: float | None = None  # overhead per offloaded byte, last failure
+        self._passed: dict[int, PairedOverhead] = {}
         self._keep: list[float] = []
         self._offload: list[float] = []
+        self._num_judged = 0
+        self._baseline: collections.deque[float] = collections.deque(maxlen=BASELINE_KEEPS)
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
         self._num_steady = 0
+        self._num_observed = 0
+        self._run_at: int | None = None  # the boundary of the running run of steps ...
+        self._run_length = 0  # ... and how many steps it has
 
-
-    def start(self, rule: int, block_bytes: Sequence[int]) -> int:
-        """The rule allows blocks ``[0, rule)``: measure it; returns the next step's boundary."""
+    # ------------------------------------------------------------------ feeding
+    def start(self, rule: int, block_bytes: Sequence[int], *, step: int | None = None) -> int:
+        """The rule allows blocks ``[0, rule)``: check it; returns the next step's boundary."""
         self.rule = rule
         self._block_bytes = tuple(block_bytes)
-        self.keep_s = self.offload_s = self.overhead = None
-        return self._probe(rule, "after the profile")
+        self._baseline.clear()
+        self._run_at = None  # the profiled step before this was not observed
+        self.last = self.last_tail_start = None
+        if rule == 0:
+            self.probe_steps = 0
+            return self._settle(0, step, "the rule allows no block, nothing to measure")
+        return self._check(rule, step, "after the profile")
 
-    def observe(self, ran_at: int, seconds: float) -> int | None:
+    def observe(self, ran_at: int, seconds: float, *, step: int | None = None) -> int | None:
         """A step ran ``seconds`` with blocks ``[0, ran_at)`` offloaded (0: nothing at all);
         returns the boundary for the next step, or None when conditions must be checked
-        again from a new profile (``reason`` says why)."""
+        again from a new profile (``reason`` says why). ``step`` numbers the step for
+        ``settled_at_step`` and ``events`` (default: the loop counts the steps it saw)."""
+        self._num_observed += 1
+        step = self._num_observed if step is None else step
+        if ran_at == self._run_at:
+            self._run_length += 1
+        else:
+            self._run_at, self._run_length = ran_at, 1
+        timed = self._run_length >= RUN  # the step before it ran the same boundary
         if self.probing:
-            if ran_at == 0:
-                self._keep.append(seconds)
-            elif ran_at == self.candidate:
-                self._offload.append(seconds)
-            num_pairs = min(len(self._keep), len(self._offload))
-            if num_pairs >= self.num_samples and (
-                num_pairs >= self.max_samples or not self._noisy()
-            ):
-                return self._judge()
-            return 0 if len(self._keep) <= len(self._offload) else self.candidate
-        if ran_at != self.candidate:
-            return self.candidate
+            return self._observe_probe(ran_at, seconds, timed, step)
+        return self._observe_steady(ran_at, seconds, timed, step)
+
+    @property
+    def keep_baseline_s(self) -> tuple[float, ...]:
+        """The timed keep steps whose median is the keep baseline, oldest first."""
+        return tuple(self._baseline)
+
+    def decision_fields(self) -> dict[str, Any]:
+        """What the cache's ``BoundaryDecision`` shows of the loop."""
+        last = self.last
+        return dict(
+            tail_start=self.candidate, keep_step_s=last.keep_s if last else None,
+            offload_step_s=last.offload_s if last else None,
+            step_overhead=last.overhead if last else None,
+            step_overhead_bounds=(last.low, last.high) if last else None,
+            measured_tail_start=self.last_tail_start, probe_steps=self.probe_steps,
+            max_probe_steps=self.max_probe_steps, settled_at_step=self.settled_at_step,
+        )
+
+    # ------------------------------------------------------------------ a check
+    def _check(self, hi: int, step: int | None, why: str) -> int:
+        """Search ``[0, hi]`` from ``hi`` down (Note [Closed loop])."""
+        self._lo, self._hi = 0, hi
+        self._per_byte = None
+        self._passed = {}
+        self.probe_steps = 0
+        self.settled_at_step = None
+        return self._probe(hi, step, why)
+
+    def _probe(self, candidate: int, step: int | None, why: str) -> int:
+        self._keep, self._offload, self._num_judged = [], [], 0
+        self.candidate = candidate
+        self.probing = True
+        self.reason = (
+            f"closed loop measuring blocks [0, {candidate}) against keeping every block "
+            f"({why}; {self.probe_steps} of at most {self.max_probe_steps} measured steps so far)"
+        )
+        self._event(step, "measure", candidate, why)
+        return 0  # keep steps first
+
+    def _next_in_probe(self, ran_at: int) -> int:
+        """Runs of ``RUN`` keep steps and ``RUN`` steps at the candidate, in turn."""
+        if ran_at == self._run_at and self._run_length < RUN:
+            return ran_at
+        return self.candidate if ran_at == 0 else 0
+
+    def _observe_probe(self, ran_at: int, seconds: float, timed: bool, step: int) -> int:
+        c = self.candidate
+        if ran_at not in (0, c):  # a step started before the boundary changed (CUDA times)
+            return 0
+        self.probe_steps += 1
+        if timed and ran_at == 0:
+            self._keep.append(seconds)
+            self._baseline.append(seconds)
+        elif timed:
+            self._offload.append(seconds)
+        num_pairs = min(len(self._keep), len(self._offload))
+        if num_pairs > self._num_judged and num_pairs >= self.min_pairs:
+            self._num_judged = num_pairs
+            result = judge(self._keep[:num_pairs], self._offload[:num_pairs], self.max_overhead,
+                           self.confidence)
+            budget_left = self.max_probe_steps - self.probe_steps
+            if result.within is not None or num_pairs >= self.max_pairs or budget_left < 2 * RUN:
+                return self._conclude(result, step)
+        return self._next_in_probe(ran_at)
+
+    def _conclude(self, result: PairedOverhead, step: int) -> int:
+        c = self.candidate
+        self.last, self.last_tail_start = result, c
+        saved = self._saved_fraction(c)
+        worth = self._worth_it(saved, result.overhead)
+        passed = result.within is True and worth
+        measured = f"blocks [0, {c}) {result.describe()}, saving {saved:.0%}"
+        if result.within is None:
+            verdict = f"cannot tell if within {self.max_overhead:.0%}: the cheaper side"
+        elif not result.within:
+            verdict = f"over {self.max_overhead:.0%}"
+        elif not worth:
+            verdict = (f"within {self.max_overhead:.0%} but not worth it (saves less than "
+                       f"{self.min_saving_per_overhead:g}x the overhead)")
+        else:
+            verdict = f"within {self.max_overhead:.0%} and worth it"
+        self._event(step, "pass" if passed else "fail", c, f"{measured}: {verdict}")
+        logger.info("tba adaptive: %s: %s", measured, verdict)
+        if passed:
+            self._passed[c] = result
+            self._lo = c
+            if self._per_byte is not None and c < self._hi and not self._predicted_to_pass(c + 1):
+                self._hi = c
+                verdict += f"; blocks [0, {c + 1}) predicted to fail"
+        else:
+            self._hi = c - 1
+            if result.overhead > 0 and self._offloaded_bytes(c) > 0:
+                self._per_byte = result.overhead / self._offloaded_bytes(c)
+        if self._lo >= self._hi:
+            return self._settle(self._lo, step, f"{measured}: {verdict}")
+        if self.max_probe_steps - self.probe_steps < 2 * RUN * self.min_pairs:
+            return self._settle(self._lo, step, f"{measured}: {verdict}; measuring budget spent")
+        return self._probe(self._next_candidate(), step, f"{measured}: {verdict}")
+
+    def _next_candidate(self) -> int:
+        lo, hi = self._lo, self._hi
+        middle = (lo + hi + 1) // 2
+        if self._per_byte is None:
+            return middle
+        fits = [n for n in range(lo + 1, hi + 1) if self._predicted_to_pass(n)]
+        return min(middle, max(fits) if fits else lo + 1)
+
+    def _predicted_to_pass(self, n: int) -> bool:
+        """By the last failure's overhead per offloaded byte."""
+        assert self._per_byte is not None
+        predicted = self._per_byte * self._offloaded_bytes(n)
+        return predicted <= self.max_overhead + 1e-9 and self._worth_it(self._saved_fraction(n), predicted)
+
+    def _settle(self, n: int, step: int | None, why: str) -> int:
+        self.probing = False
+        self.candidate = n
+        self.settled_at_step = step
+        self._num_steady = 0
+        self._recent.clear()
+        accepted = self._passed.get(n)
+        if n == 0:
+            outcome = "keep every block"
+        else:
+            outcome = f"offload blocks [0, {n})"
+            if accepted is not None and self.last_tail_start != n:
+                outcome += f" (measured {accepted.describe()})"
+        self.reason = f"closed loop: {outcome}: {why}"
+        settled = (f"{self.reason}; settled after {self.probe_steps} of at most "
+                   f"{self.max_probe_steps} measured steps")
+        self._event(step, "settle", n, settled)
+        logger.info("tba adaptive: %s", settled)
+        return n
+
+    # ------------------------------------------------------------------ steady
+    def _observe_steady(self, ran_at: int, seconds: float, timed: bool, step: int) -> int | None:
+        c = self.candidate
+        if ran_at == 0 and c > 0:  # a run of keep steps: the baseline
+            if timed:
+                self._baseline.append(seconds)
+            return 0 if self._run_length < RUN else c
+        if ran_at != c:
+            return c
         self._num_steady += 1
-        self._recent.append(seconds)
         if self.rule and self._num_steady >= self.recheck_every:
-            return self._recheck(f"periodic re-check after {self._num_steady} steps")
-        accepted = self.offload_s if self.candidate else self.keep_s
-        if accepted and len(self._recent) == self._recent.maxlen:
-            ratio = _median(self._recent) / accepted
-            if not 1 / self.drift <= ratio <= self.drift:
-                return self._recheck(f"step time moved {ratio:.2f}x")
-        return self.candidate
+            self._recheck(step, f"periodic re-check after {self._num_steady} steps")
+            return None
+        if c == 0 or not self._baseline or not timed:
+            return c
+        baseline = median(self._baseline)
+        self._recent.append(seconds / baseline - 1.0 if baseline > 0 else 0.0)
+        drift = median(self._recent)
+        if len(self._recent) >= self.min_pairs and drift > self.max_overhead:
+            why = (f"steady steps: median {drift:+.1%} over the keep baseline "
+                   f"{baseline * 1e3:.1f} ms")
+            if not self.can_keep(self._offloaded_bytes(c)):
+                self._recheck(step, f"{why}, and no memory is free for keep steps")
+                return None
+            self._event(step, "suspect", c, why)
+            return self._check(c, step, why)
+        if self._num_steady % self.keep_every == 0 and self.can_keep(self._offloaded_bytes(c)):
+            return 0
+        return c
 
-    # ------------------------------------------------------------------ internals
-    def _offloaded_bytes(self, n: int) -> int:
-        return sum(self._block_bytes[:n])
-
-    def _recheck(self, why: str) -> None:
+    def _recheck(self, step: int, why: str) -> None:
         self.probing = False
         self._num_steady = 0
         self._recent.clear()
         self.reason = f"checking again: {why}"
+        self._event(step, "recheck", self.candidate, why)
         logger.info("tba adaptive: %s", self.reason)
-        return None
 
-    def _probe(self, candidate: int, why: str) -> int:
-        self._keep, self._offload = [], []
-        self._recent.clear()
-        self._num_steady = 0
-        self.candidate = candidate
-        if candidate == 0:
-            self.probing = False
-            self.reason = "the rule keeps every block: nothing to measure"
-            return 0
-        self.probing = True
-        self.reason = (
-            f"closed loop measuring blocks [0, {candidate}) against keeping every block "
-            f"({why})"
-        )
-        logger.info("tba adaptive: %s", self.reason)
-        return 0  # a keep step first
+    # ------------------------------------------------------------------ helpers
+    def _offloaded_bytes(self, n: int) -> int:
+        return sum(self._block_bytes[:n])
 
-    def _ratios(self) -> list[float]:
-        return [o / k - 1.0 if k > 0 else 0.0 for k, o in zip(self._keep, self._offload)]
+    def _saved_fraction(self, n: int) -> float:
+        total = sum(self._block_bytes)
+        return self._offloaded_bytes(n) / total if total > 0 else 0.0
 
-    def _noisy(self) -> bool:
-        ratios = self._ratios()
-        return max(ratios) - min(ratios) > 2 * self.max_overhead
+    def _worth_it(self, saved: float, overhead: float) -> bool:
+        return overhead <= 0 or saved >= self.min_saving_per_overhead * overhead - 1e-9
 
-    def _judge(self) -> int:
-        keep_s, offload_s = _median(self._keep), _median(self._offload)
-        ratios = self._ratios()
-        noisy = self._noisy()
-        if noisy:
-            fastest_keep = min(self._keep)
-            overhead = min(self._offload) / fastest_keep - 1.0 if fastest_keep > 0 else 0.0
-            how = f"fastest steps {overhead:+.1%}: the pairs disagree"
-        else:
-            overhead = _median(ratios)
-            how = f"median of {len(ratios)} paired ratios {overhead:+.1%}"
-        self.keep_s, self.offload_s, self.overhead = keep_s, offload_s, overhead
-        c = self.candidate
-        measured = (
-            f"step {offload_s * 1e3:.1f} ms offloading blocks [0, {c}) vs {keep_s * 1e3:.1f} ms "
-            f"keeping every block (medians of {len(self._offload)} and {len(self._keep)}; "
-            f"{how}, pairs spread {min(ratios):+.1%} to {max(ratios):+.1%})"
-        )
-        if overhead <= self.max_overhead + 1e-9:  # inclusive, whatever the rounding
-            return self._settle(c, f"closed loop: {measured} <= max_step_overhead "
-                                   f"{self.max_overhead:.0%}")
-        per_byte = overhead / max(self._offloaded_bytes(c), 1)  # fraction of keep per byte
-        allowed = self.max_overhead
-        n = c - 1
-        while n > 0 and self._offloaded_bytes(n) * per_byte > allowed:
-            n -= 1
-        if n == 0:
-            return self._settle(0, f"closed loop: {measured} > max_step_overhead "
-                                   f"{self.max_overhead:.0%}, and even block 0 alone would "
-                                   "exceed it: keep every block")
-        logger.info("tba adaptive: %s > %.0f%%: measuring blocks [0, %d)", measured,
-                    self.max_overhead * 100, n)
-        return self._probe(n, f"{measured} > max_step_overhead {self.max_overhead:.0%}")
-
-    def _settle(self, n: int, reason: str) -> int:
-        self.probing = False
-        self.candidate = n
-        self.reason = reason
-        self._num_steady = 0
-        self._recent.clear()
-        logger.info("tba adaptive: %s", reason)
-        return n
+    def _event(self, step: int | None, kind: str, tail_start: int, text: str) -> None:
+        self.events.append(LoopEvent(step, kind, tail_start, text))

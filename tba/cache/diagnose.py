@@ -181,7 +181,9 @@ class NoOffloadDiagnosis:
             only_cancelled = sample.num_marked > 0 and len(reasons) == 1 and not step.num_io_errors
             if only_cancelled and step_number < 2:
                 return None
-        elif self._boundary.decision is not None and self._boundary.tail_start == 0:
+        elif self._boundary.decision is not None and self._boundary.decision.tail_start == 0:
+            # The decision, not the next step's boundary: the closed loop's keep steps while
+            # it measures are no decision to keep every block.
             reasons = [self._policy_reason(None)]
         else:
             return None
@@ -288,7 +290,7 @@ class NoOffloadDiagnosis:
                 f"keep_last_modules={config.keep_last_modules} keeps all {boundary.num_blocks} "
                 f"blocks in memory: {what} stayed in memory (lower keep_last_modules)"
             )
-        if decision is not None and boundary.tail_start == 0:
+        if decision is not None and decision.tail_start == 0:
             return (
                 f"the adaptive policy keeps every block in memory ({decision.reason}; forward "
                 f"{decision.forward_s * 1e3:.1f} ms, measured write "

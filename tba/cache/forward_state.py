@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
+from types import FrameType
 
 import torch
 
@@ -28,15 +28,15 @@ __all__ = ["ThreadState", "torch_caller", "on_stack"]
 _TBA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torch_caller() -> Any:
+def torch_caller() -> FrameType | None:
     """The first frame above tba's own: the module call that ran the hook."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_TBA_DIR):
         frame = frame.f_back
     return frame
 
 
-def on_stack(frame_id: int, caller: Any) -> bool:
+def on_stack(frame_id: int, caller: FrameType | None) -> bool:
     """Whether a frame with ``frame_id`` runs above ``caller`` (the current call's frame)."""
     frame = caller.f_back if caller is not None else None
     while frame is not None:

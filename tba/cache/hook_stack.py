@@ -41,6 +41,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -62,7 +63,7 @@ class PackedItems:
 
     __slots__ = ("cls", "items")
 
-    def __init__(self, cls: type, items: list) -> None:
+    def __init__(self, cls: type[tuple[Any, ...]] | type[list[Any]], items: list[Any]) -> None:
         self.cls, self.items = cls, items
 
 
@@ -128,7 +129,7 @@ class ChainedHooks:
         return self.outer_unpack(packed)
 
 
-def _owner(unpack: Any) -> Any:
+def _owner(unpack: Callable[[Any], torch.Tensor]) -> SavedTensors | ChainedHooks | None:
     """The tba object whose method ``unpack`` is, or None for the script's own hooks."""
     owner = getattr(unpack, "__self__", None)
     return owner if isinstance(owner, (SavedTensors, ChainedHooks)) else None
@@ -148,7 +149,7 @@ def hooks_for_forward(
     return chained.pack, chained.unpack
 
 
-def outer_pair() -> tuple[Any, Any] | None:
+def outer_pair() -> tuple[compat.PackHook, compat.UnpackHook] | None:
     """The script's pair that a forward beginning now must chain to, or None (no hooks, or
     tba's own plain pair on top). Once per forward: Note [Outer saved-tensor hooks]."""
     top = compat.top_saved_tensors_hooks()
@@ -215,7 +216,7 @@ def _register_hooks_error(error: RuntimeError) -> TBAError | None:
 
 def _calling_module() -> nn.Module | None:
     """The innermost module whose code called register_hooks (from the stack)."""
-    frame = sys._getframe(3)
+    frame: FrameType | None = sys._getframe(3)
     for _ in range(32):
         if frame is None:
             return None

@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import itertools
 import warnings
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +32,11 @@ from tba.cache.steps import Steps
 from tba.cache.tracker import StepTracker
 from tba.config import TensorCacheConfig
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from tba.cache.tensor_cache import TensorCache
+
 __all__ = ["CacheHooks"]
 
 
@@ -43,7 +50,7 @@ class CacheHooks:
 
     def __init__(
         self,
-        owner: Any,
+        owner: TensorCache,
         model: nn.Module,
         config: TensorCacheConfig,
         units: list[Unit],
@@ -61,14 +68,15 @@ class CacheHooks:
         self.saved = saved
         self.steps = steps
         self.run_order = run_order
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         # While set, forwards enter this pack hook instead of ``saved.pack`` (a wrapper that
         # samples what is saved, Note [Loud when it does nothing]); told when a forward runs
         # without grad.
-        self.sampled_pack: Any = None
-        self.watch_pack: Any = None  # tba.testing.probe(cache).watch_saves()
-        self.on_forward_skipped: Any = None
-        self.on_outer_passed: Any = None  # told when the script's own pack keeps a save
+        self.sampled_pack: Callable[[torch.Tensor], Any] | None = None
+        self.watch_pack: Callable[[torch.Tensor], Any] | None = None  # probe(cache).watch_saves()
+        self.on_forward_skipped: Callable[[bool], object] | None = None
+        # Told when the script's own pack keeps a save (the arbitrary thing it returned).
+        self.on_outer_passed: Callable[[Any], None] | None = None  # told when the script's own pack keeps a save
         self._traced_at_start = compat.num_traced_hooks  # Note [tba under torch.compile]
         self._warned_compiled = False
         self._install(model)
@@ -159,7 +167,7 @@ class CacheHooks:
         if interrupts.pending:
             interrupts.raise_pending()
 
-    def _begin_forward(self, model: nn.Module, inputs: Any, caller: Any) -> None:
+    def _begin_forward(self, model: nn.Module, inputs: Any, caller: FrameType | None) -> None:
         """This thread's outermost forward of the model begins (lock held); ``inputs`` are its
         positional and keyword arguments."""
         state, saved, steps = self.tracker.local, self.saved, self.steps
@@ -168,12 +176,16 @@ class CacheHooks:
             for t in itertools.chain(model.parameters(), model.buffers())
             if not compat.is_functorch_wrapped(t)  # torch.func.functional_call's stand-ins
         )
-        _, opened = self.tracker.begin_forward()
+        record, opened = self.tracker.begin_forward()
         profile = steps.profile
         steps.begin_forward(inputs, opened)
+        # Note [Closed loop]: a keep step offloads nothing. Read after the steps have begun
+        # this forward: a profile due now (new input shapes) sets the boundary back.
+        record.in_tail = self.tracker.boundary.keep_all
         if steps.profile is not profile and steps.profile is not None:
             self.run_order.start()  # Note [Blocks in run order]: observed again with each profile
         saved.profile = steps.profile
+        pack: Callable[[torch.Tensor], Any]  # returns what the unpack hook takes (arbitrary)
         if compat.capturing():  # once per forward: a capture does not start inside one
             pack = saved.captured  # Note [CUDA-graph capture]
         else:

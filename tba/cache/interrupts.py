@@ -31,7 +31,8 @@ import logging
 import signal
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
 
 __all__ = ["guard", "unguard", "raise_pending", "pending", "install", "interrupt_count"]
 
@@ -44,17 +45,19 @@ pending = False
 interrupt_count = 0
 
 _state_lock = threading.Lock()
-_locks: tuple[weakref.ref, ...] = ()  # guarded locks (published whole: read by the handler)
-_previous: Any = None  # the handler tba's replaced (Python's default_int_handler)
+_locks: tuple[weakref.ref[threading.RLock], ...] = ()  # guarded locks (published whole: read by the handler)
+# The handler tba's replaced (Python's default_int_handler).
+_previous: Callable[[int, FrameType | None], object] | int | None = None
 
 
-def _handler(signum: int, frame: Any) -> None:
+def _handler(signum: int, frame: FrameType | None) -> None:
     """tba's SIGINT handler: hold the interrupt back while the main thread is inside a critical
     section, else hand it to the handler tba replaced."""
     global pending, interrupt_count
     for ref in _locks:
         lock = ref()
-        if lock is not None and lock._is_owned():
+        # typeshed omits RLock._is_owned (CPython's RLock has it, in C and in Python).
+        if lock is not None and lock._is_owned():  # type: ignore[attr-defined]
             pending = True
             return
     interrupt_count += 1
@@ -95,7 +98,7 @@ def install() -> None:
     logger.debug("tba: SIGINT is held back during tba's critical sections")
 
 
-def guard(lock: Any) -> None:
+def guard(lock: threading.RLock) -> None:
     """Make ``lock`` (an ``RLock``: its owner must be known) a critical section for SIGINT."""
     global _locks
     with _state_lock:
@@ -103,7 +106,7 @@ def guard(lock: Any) -> None:
     install()
 
 
-def unguard(lock: Any) -> None:
+def unguard(lock: threading.RLock) -> None:
     """Forget ``lock``; the last one gone puts Python's default handler back (if tba's is
     still the one installed)."""
     global _locks

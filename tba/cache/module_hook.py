@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tba import _torch_compat as compat
@@ -14,7 +15,7 @@ def inert_hook(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _make_inert() -> Any:
+def _make_inert() -> Callable[..., None]:
     return inert_hook
 
 
@@ -28,7 +29,7 @@ class ModuleHook:
 
     __slots__ = ("fn",)
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -37,8 +38,8 @@ class ModuleHook:
             return compat.call_outside_compile(self.fn, *args, **kwargs)
         return self.fn(*args, **kwargs)
 
-    def __deepcopy__(self, memo: dict) -> Any:
+    def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
         return inert_hook
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
         return (_make_inert, ())

@@ -35,12 +35,17 @@ class PackedSubclass:
 
     __slots__ = ("cls", "inner", "context", "size", "stride")
 
-    def __init__(self, cls: type, inner: dict, context: Any, size: Any, stride: Any) -> None:
+    def __init__(
+        self, cls: type[torch.Tensor], inner: dict[str, Any], context: Any, size: torch.Size,
+        stride: tuple[int, ...],
+    ) -> None:
+        # ``inner``: packed inner tensors and the subclass's other attributes (arbitrary);
+        # ``context``: the subclass's own flatten context (arbitrary).
         self.cls, self.inner, self.context, self.size, self.stride = cls, inner, context, size, stride
 
 
 def modified_error(
-    shape: tuple, dtype: torch.dtype, where: str | None, expected: int, found: int | None
+    shape: tuple[int, ...], dtype: torch.dtype, where: str | None, expected: int, found: int | None
 ) -> TBAError:
     """PyTorch's in-place error, raised by tba where autograd no longer checks."""
     found_text = (

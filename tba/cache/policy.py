@@ -49,13 +49,21 @@ class BoundaryDecision:
         measured_peak_bytes: budget mode: the peak the estimate started from.
         rule_tail_start: closed loop: the boundary the rule allowed (``tail_start`` is what
             the measured step times kept of it).
-        keep_step_s: closed loop: median step time keeping every block, last check.
-        offload_step_s: closed loop: median step time offloading blocks ``[0, tail_start)``
-            (or the last boundary measured), last check.
+        keep_step_s: closed loop: median keep step time of the last boundary measured.
+        offload_step_s: closed loop: median step time offloading blocks
+            ``[0, measured_tail_start)``, the last boundary measured.
         max_step_overhead: closed loop: the allowed overhead over keep.
-        step_overhead: closed loop: the measured overhead of the last check (the median of
-            paired offload/keep step-time ratios, minus 1).
+        step_overhead: closed loop: the measured overhead of the last boundary measured (the
+            median of paired offload/keep step-time ratios, minus 1).
         profiled_at_step: the step number the profile was taken at.
+        step_overhead_bounds: closed loop: bounds on ``step_overhead`` (infinite: too few
+            pairs; Note [Bounds on the median ratio]).
+        measured_tail_start: closed loop: the boundary those measurements are of.
+        probe_steps: closed loop: measured steps of the running or last check.
+        max_probe_steps: closed loop: the most measured steps a check takes (it settles
+            within them).
+        settled_at_step: closed loop: the step the last check settled at; None while it
+            measures.
     """
 
     tail_start: int
@@ -74,6 +82,11 @@ class BoundaryDecision:
     max_step_overhead: float | None = None
     profiled_at_step: int | None = None
     step_overhead: float | None = None
+    step_overhead_bounds: tuple[float, float] | None = None
+    measured_tail_start: int | None = None
+    probe_steps: int | None = None
+    max_probe_steps: int | None = None
+    settled_at_step: int | None = None
 
     def __str__(self) -> str:
         """One readable line (``summary()`` prints it)."""
@@ -97,9 +110,17 @@ class BoundaryDecision:
         ):
             text += (
                 f", step keep {self.keep_step_s * 1e3:.1f} ms vs offload "
-                f"{self.offload_step_s * 1e3:.1f} ms ({self.step_overhead:+.1%}"
+                f"{self.offload_step_s * 1e3:.1f} ms"
+                + (f" at blocks [0, {self.measured_tail_start})"
+                   if self.measured_tail_start is not None else "")
+                + f" ({self.step_overhead:+.1%}"
                 + (f", max {self.max_step_overhead:.0%})" if self.max_step_overhead is not None else ")")
             )
+        if self.max_probe_steps is not None:
+            text += (
+                f", settled at step {self.settled_at_step}" if self.settled_at_step is not None
+                else ", measuring"
+            ) + f" ({self.probe_steps} of at most {self.max_probe_steps} measured steps)"
         return text + ")"
 
 

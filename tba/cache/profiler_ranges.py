@@ -18,25 +18,29 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from tba._torch_compat import profiler_enabled
+
+if TYPE_CHECKING:
+    from tba.cache.engine.entries import Entry
+    from tba.cache.scopes import Scope
 
 __all__ = ["transfer_range", "LoadDone", "unit_name"]
 
 _OFF = contextlib.nullcontext()
 
 
-def unit_name(scope: Any) -> str:
+def unit_name(scope: Scope | None) -> str:
     """The name of the unit whose forward saved into ``scope`` (the model itself for tensors
     saved outside every unit)."""
     unit = getattr(scope, "unit", None)
     return (unit.name if unit is not None else "") or "model"  # "": the model as its one unit
 
 
-def transfer_range(kind: str, entry: Any) -> contextlib.AbstractContextManager:
+def transfer_range(kind: str, entry: Entry) -> contextlib.AbstractContextManager[object]:
     """A ``tba::<kind> <unit>`` range around a transfer of ``entry`` while a profiler runs."""
     if not profiler_enabled():
         return _OFF
@@ -49,7 +53,7 @@ class LoadDone(threading.Event):
     """Set when a load finished. Waiting for it is a stall of the training thread, shown as a
     ``tba::stall <unit>`` range while a profiler runs."""
 
-    def __init__(self, scope: Any) -> None:
+    def __init__(self, scope: Scope | None) -> None:
         super().__init__()
         self._unit = getattr(scope, "unit", None)  # not the scope: it holds the entries
 

@@ -22,9 +22,12 @@ is run order already. Tested by tests/cache/test_run_order.py.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tba.cache.scopes import Unit
+
+if TYPE_CHECKING:
+    from tba.cache.profile import StepProfile
 
 __all__ = ["RunOrder"]
 
@@ -40,7 +43,7 @@ class RunOrder:
 
     def __init__(self, units: list[Unit]) -> None:
         self.blocks = sorted((u for u in units if u.block_index is not None),
-                             key=lambda u: u.block_index)
+                             key=lambda u: u.block_index or 0)  # never None here
         self.observing = bool(self.blocks)
         self._seen: list[Unit] = []
         self._seen_ids: set[int] = set()
@@ -63,7 +66,7 @@ class RunOrder:
             self._seen_ids.add(id(unit))
             self._seen.append(unit)
 
-    def finish(self, profile: Any) -> None:
+    def finish(self, profile: StepProfile | None) -> None:
         """The observed forward ended: number the blocks in the order they ran, and the
         figures ``profile`` (a StepProfile, or None) took so far with them. A forward in which
         no block ran leaves observing on for the next."""

@@ -11,17 +11,20 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from tba import _torch_compat as compat
 from tba.cache import interrupts
 from tba.cache.engine import Engine, Handle
-from tba.cache.forward_state import on_stack
+from tba.cache.forward_state import ThreadState, on_stack
 from tba.cache.packed import NESTED_TYPE_NAME, PackedSubclass, modified_error, offloadable_subclass
 from tba.cache.tracker import StepTracker
 from tba.errors import TBAError
+
+if TYPE_CHECKING:
+    from tba.cache.profile import StepProfile
 
 __all__ = ["SavedTensors"]
 
@@ -98,7 +101,7 @@ class SavedTensors:
         self._offloading = offloading
         self._min_offload_bytes = min_offload_bytes
         self.param_ptrs: frozenset[int] = frozenset()
-        self.profile: Any = None  # the step profile while one is taken (tba/cache/profile.py)
+        self.profile: StepProfile | None = None  # while a step profile is taken
         self.closed = False
         self.num_captured = 0
         self.num_record_stream = 0
@@ -188,7 +191,7 @@ class SavedTensors:
             return False
         return ptr != 0 and ptr in self.param_ptrs
 
-    def _abandoned(self, state: Any) -> bool:
+    def _abandoned(self, state: ThreadState) -> bool:
         """Note [Interrupted forwards]: a KeyboardInterrupt was raised since this thread's
         forward began; if that forward is no longer on the stack (the interrupt ended it and
         another module runs now), close it and leave this save to autograd."""
@@ -199,7 +202,7 @@ class SavedTensors:
             self.tracker.abandon_forward(state)
         return True
 
-    def captured(self, tensor: torch.Tensor) -> tuple:
+    def captured(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Note [CUDA-graph capture]: a save during capture happens once, at capture time,
         while the graph's replays reuse the same memory; events recorded and transfers queued
         now would belong to the capture, and a worker's synchronisation or allocation would
@@ -241,6 +244,7 @@ class SavedTensors:
         if not offloadable_subclass(type(tensor)):
             self._note_unsafe_subclass(type(tensor))
             return (tensor, tensor._version)
+        # torch's Tensor stub lacks the subclass protocol's __tensor_flatten__ (checked above).
         names, context = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
         nested = type(tensor).__name__ == NESTED_TYPE_NAME
         inner: dict[str, Any] = {}
@@ -261,6 +265,9 @@ class SavedTensors:
 
     # ------------------------------------------------------------------ unpack
     def unpack(self, packed: Any) -> torch.Tensor:
+        # ``packed``: what ``pack`` returned (dispatched on its exact type, for speed).
+        tensor: torch.Tensor
+        storage: torch.UntypedStorage | None
         cls = type(packed)
         if cls is tuple:
             tensor, version = packed
@@ -270,9 +277,11 @@ class SavedTensors:
         if cls is PackedSubclass:
             inner = {name: self.unpack(p) if type(p) in (Handle, PackedSubclass, tuple) else p
                      for name, p in packed.inner.items()}
-            return packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
+            tensor = packed.cls.__tensor_unflatten__(inner, packed.context, packed.size, packed.stride)
+            return tensor
         if cls is not Handle:
-            return packed
+            tensor = packed
+            return tensor
         engine = self.engine
         if engine.error is not None:
             engine.raise_pending()
@@ -318,7 +327,7 @@ class SavedTensors:
             interrupts.raise_pending()
         return tensor
 
-    def _raise_modified(self, packed: Handle) -> None:
+    def _raise_modified(self, packed: Handle) -> NoReturn:
         entry = packed.entry
         dtype, size, _, _ = packed.geometry or entry.remember_geometry()
         alias = entry.alias

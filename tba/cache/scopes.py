@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from tba.cache.engine.entries import Entry
 
 __all__ = ["Unit", "find_units", "matches", "Scope", "Record", "ForwardPass"]
@@ -45,7 +47,11 @@ class Unit:
         return f"Unit({self.name!r}, block_index={self.block_index})"
 
 
-def matches(module: nn.Module, name: str, specs: tuple) -> bool:
+#: Names a module: the instance, its type, or an ``fnmatch`` pattern of its qualified name.
+ModuleSpec = nn.Module | type[nn.Module] | str
+
+
+def matches(module: nn.Module, name: str, specs: tuple[ModuleSpec, ...]) -> bool:
     """Whether ``module`` (qualified ``name``) is named by ``specs``: instances, types, or
     ``fnmatch`` patterns of qualified names."""
     for spec in specs:
@@ -86,7 +92,7 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def find_units(model: nn.Module, block_specs: tuple | None) -> list[Unit]:
+def find_units(model: nn.Module, block_specs: tuple[ModuleSpec, ...] | None) -> list[Unit]:
     """The units of ``model``: blocks first (in order), then the modules around them.
 
     Raises:
@@ -167,7 +173,7 @@ class Record:
         self.backward_done = False
         self.num_handles = 0  # live handles of its saves: 0 after forward = its graph is gone
         self.detached = False  # its step ended (a later backward of it starts a step again)
-        self.grad_fn_hooks: list[Any] = []
+        self.grad_fn_hooks: list[RemovableHandle] = []
 
 
 class ForwardPass:
@@ -176,7 +182,8 @@ class ForwardPass:
 
     def __init__(self) -> None:
         self.record: Record | None = None
-        self.units: list[list] = []  # [unit, scope or None, keep]
+        # [unit, scope or None, keep] per unit entered: a list (not an object) read per save.
+        self.units: list[list[Any]] = []
         self.skip_depth = 0
         self._loose_scope: Scope | None = None  # tensors saved outside every unit
 
@@ -209,10 +216,11 @@ class ForwardPass:
         assert record is not None
         if self.units:
             top = self.units[-1]
-            if top[1] is None:
-                top[1] = Scope(record, len(record.scopes), top[0], top[2])
-                record.scopes.append(top[1])
-            return top[1]
+            scope: Scope | None = top[1]
+            if scope is None:
+                scope = top[1] = Scope(record, len(record.scopes), top[0], top[2])
+                record.scopes.append(scope)
+            return scope
         if self._loose_scope is None:
             self._loose_scope = Scope(record, len(record.scopes), None, record.in_tail)
             record.scopes.append(self._loose_scope)

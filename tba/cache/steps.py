@@ -19,12 +19,12 @@ from tba.cache.profile import StepProfile
 from tba.cache.stats import CacheStats, format_bytes
 from tba.config import TensorCacheConfig
 from tba.offloaders.base import Offloader
+from tba.settings import BANDWIDTH_DRIFT
 
 __all__ = ["Steps", "tensors_in"]
 
 logger = logging.getLogger(__name__)
 
-_BANDWIDTH_DRIFT = 1.5  # re-profile when measured write bandwidth moves by this factor
 
 
 class Steps:
@@ -67,20 +67,21 @@ class Steps:
         self._loop_on = False  # the loop measures since the last profile
         # Adaptive needs writes to measure: with offloader "none" there is nothing to decide.
         self._profile_due = config.profile_step if self._deciding and offloader else None
-        self._signature: tuple | None = None
+        self._signature: tuple[object, ...] | None = None
         self._num_forwards = 0  # forwards (microbatches) in the running step
         self._forwards_per_step: int | None = None
         self._reserved = False
         self._trimmed = False  # Note [A keep-everything decision holds no offloader memory]
-        # Note [Closed loop]: step times from ``clock`` (set before the first forward to
-        # inject one; the default is chosen then, once the model's device is known).
+        # Note [Closed loop]: step times from ``clock`` (``tba.testing.drive_closed_loop``
+        # sets one before the first forward; the default is chosen then, once the model's
+        # device is known) and free memory from ``free_bytes`` (the same seam).
         self.clock: StepClock | None = None
         self.free_bytes: Callable[[], int] | None = None  # memory a keep step may use
         self._step_start: Any = None
-        self._timed: collections.deque[tuple[int, Any, Any]] = collections.deque(maxlen=64)
+        self._timed: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=64)
         overhead = config.max_step_overhead
         self.loop = (
-            OverheadLoop(overhead)
+            OverheadLoop(overhead, can_keep=self._keep_fits)
             if config.adaptive and overhead is not None and self._budget is None and offloader
             else None
         )
@@ -116,7 +117,7 @@ class Steps:
         ran_at = self._boundary.tail_start
         self.history.append((self._num_done, step, ran_at))
         if self._step_start is not None and self.clock is not None:
-            self._timed.append((ran_at, self._step_start, self.clock.mark()))
+            self._timed.append((self._num_done, ran_at, self._step_start, self.clock.mark()))
             self._step_start = None
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
@@ -135,7 +136,7 @@ class Steps:
                 self._check_budget(decision, step, ran_at)
             elif self._loop_on:
                 self._feed_loop(decision)  # step time replaces the bandwidth trigger
-            elif step.write_bytes_per_s > 0 and not 1 / _BANDWIDTH_DRIFT <= ratio <= _BANDWIDTH_DRIFT:
+            elif step.write_bytes_per_s > 0 and not 1 / BANDWIDTH_DRIFT <= ratio <= BANDWIDTH_DRIFT:
                 self._reprofile(f"write bandwidth moved {ratio:.2f}x")
         reserve_after = self._config.profile_step if self._deciding else 1
         peak_held = peak_held_bytes
@@ -174,23 +175,28 @@ class Steps:
         assert loop is not None and clock is not None
         changed = False
         while timed:
-            ran_at, start, end = timed[0]
+            number, ran_at, start, end = timed[0]
             seconds = clock.seconds(start, end)
             if seconds is None:
                 break
             timed.popleft()
             changed = True
-            tail_start = loop.observe(ran_at, seconds)
+            tail_start = loop.observe(ran_at, seconds, step=number)
             if tail_start is None:
                 self._reprofile(loop.reason)
                 break
             self._boundary.set(tail_start, keep_all=True)
         if changed:
             self._boundary.decision = dataclasses.replace(
-                decision, tail_start=loop.candidate, reason=f"{loop.reason}; {self._rule_reason}",
-                keep_step_s=loop.keep_s, offload_step_s=loop.offload_s,
-                step_overhead=loop.overhead,
+                decision, reason=f"{loop.reason}; {self._rule_reason}", **loop.decision_fields()
             )
+
+    def _keep_fits(self, extra_bytes: int) -> bool:
+        """Note [Closed loop]: whether the memory free now covers a keep step that holds
+        ``extra_bytes`` more than the running step (with a margin)."""
+        if self.free_bytes is None:
+            self.free_bytes = functools.partial(free_memory_bytes, self._on_cuda())
+        return self.free_bytes() >= KEEP_MARGIN * extra_bytes
 
     def _decide(self, profile: StepProfile, step: CacheStats) -> None:
         block_s, forward_s = profile.finish()
@@ -215,23 +221,25 @@ class Steps:
                 self._timed.clear()
                 # What a keep step holds beyond the rule's step (and what it held then).
                 extra = sum(profile.block_bytes[: decision.tail_start])
-                if self.free_bytes is None:
-                    self.free_bytes = functools.partial(free_memory_bytes, self._on_cuda())
-                free = self.free_bytes()
-                self._loop_on = free >= KEEP_MARGIN * extra
+                self._loop_on = self._keep_fits(extra)
+                fields: dict[str, Any] = {}
                 if self._loop_on:
-                    tail_start = loop.start(decision.tail_start, profile.block_bytes)
+                    tail_start = loop.start(decision.tail_start, profile.block_bytes,
+                                            step=self._num_done)
                     self._boundary.set(tail_start, keep_all=True)
                     reason = loop.reason
+                    fields = loop.decision_fields()
                 else:
+                    assert self.free_bytes is not None
                     reason = (
                         f"closed loop not measuring: a step keeping every block would hold "
-                        f"{format_bytes(extra)} more, and {format_bytes(free)} is free"
+                        f"{format_bytes(extra)} more, and {format_bytes(self.free_bytes())} is free"
                     )
                     logger.warning("tba adaptive: %s; the rule's boundary stands", reason)
                 self._boundary.decision = dataclasses.replace(
                     decision, reason=f"{reason}; {self._rule_reason}",
                     rule_tail_start=decision.tail_start, max_step_overhead=loop.max_overhead,
+                    **fields,
                 )
         self._profile_due = None
         if self._boundary.decision is not None:

@@ -61,7 +61,7 @@ class StreamLayer(Protocol):
 
     def transfer(
         self, device: torch.device, kind: str, wait_for: Any | None
-    ) -> contextlib.AbstractContextManager:
+    ) -> contextlib.AbstractContextManager[None]:
         """On a worker thread: make the ``kind`` ("store"/"load") transfer stream current and
         order it after ``wait_for`` (a producer token, or an allocation's ready token)."""
         ...

@@ -53,7 +53,7 @@ __all__ = ["TensorCache", "StageHint"]
 logger = logging.getLogger(__name__)
 
 
-def _on_cuda(model_ref: weakref.ref) -> bool:
+def _on_cuda(model_ref: weakref.ref[nn.Module]) -> bool:
     model = model_ref()
     param = next(model.parameters(), None) if model is not None else None
     return param is not None and param.device.type == "cuda"

@@ -41,7 +41,7 @@ class TraceRecorder:
         with self._lock:
             self._last, self._events = self._events, []
 
-    def export(self, path: str | os.PathLike) -> int:
+    def export(self, path: str | os.PathLike[str]) -> int:
         """Write the last completed step (or the running one, before any completed) as
         Chrome-trace JSON; returns the number of events written."""
         with self._lock:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tba import _torch_compat as compat
 from tba.cache import interrupts
@@ -39,6 +40,9 @@ from tba.cache.policy import Boundary
 from tba.cache.scopes import Record, Scope
 from tba.cache.stages import StageHint
 from tba.cache.steps import tensors_in
+
+if TYPE_CHECKING:
+    from tba.cache.engine.entries import Entry
 
 __all__ = ["StepTracker"]
 
@@ -62,12 +66,12 @@ class StepTracker:
 
     def __init__(
         self,
-        lock: Any,
+        lock: threading.RLock,
         drain: Callable[[], None],
         raise_pending: Callable[[], None],
         boundary: Boundary,
         prefetch_modules: int,
-        prefetch: Callable[[list[Any]], None] | None,
+        prefetch: Callable[[list[Entry]], None] | None,
         on_step_end: Callable[[], None],
     ) -> None:
         self.lock = lock
@@ -78,7 +82,8 @@ class StepTracker:
         self._prefetch = prefetch
         self._on_step_end = on_step_end
         self.local = ThreadState()
-        self.records: dict[tuple, Record] = {}
+        # By record key (stage, microbatch); a detached record's backward by ("bwd", seq).
+        self.records: dict[tuple[int, int] | tuple[str, int], Record] = {}
         self.open = False
         self.num_active = 0  # forwards running, all threads
         self.num_forwards = 0  # forwards in the running step
@@ -110,7 +115,6 @@ class StepTracker:
         if old is not None:
             self._detach(old)
         record = self.records[key] = Record(key, keep_tail, next(self._seq))
-        record.in_tail = self.boundary.keep_all  # Note [Closed loop]: keep steps offload nothing
         opened, self.open = not self.open, True
         self.num_active += 1
         self.num_forwards += 1
@@ -265,7 +269,7 @@ class StepTracker:
             return
         budget = self._prefetch_modules
         scopes = scope.record.scopes
-        wanted: list[Any] = []
+        wanted: list[Entry] = []
         for index in range(scope.index, -1, -1):
             current = scopes[index]
             if index != scope.index:

@@ -68,7 +68,7 @@ def patch(engine: Engine = "auto") -> list[str]:
         ValueError: unknown engine name.
         IntegrationVersionError: the engine's internals differ from the tested ones.
     """
-    names = [e for e in ENGINES if _installed(e)] if engine == "auto" else [engine]
+    names: list[str] = [e for e in ENGINES if _installed(e)] if engine == "auto" else [engine]
     for name in names:
         engine_module(name).patch()
     return names

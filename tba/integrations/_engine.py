@@ -34,6 +34,8 @@ from tba.integrations._patching import (
 __all__ = ["Engine", "wrapper", "import_extra"]
 
 Targets = TypeVar("Targets")
+Run = TypeVar("Run")
+# Replacements take and return whatever the engine's originals do.
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -49,20 +51,23 @@ def import_extra(module: str, what: str, extra: str) -> ModuleType:
         raise ImportError(f"{what} needs {module}: pip install 'tba[{extra}]'") from exc
 
 
-def wrapper(original: Callable[..., Any]) -> Callable[[F], F]:
+def wrapper(original: Callable[..., object]) -> Callable[[F], F]:
     """Decorator for a replacement of ``original``: copies its name and docstring and records
     it as ``__tba_original__`` (what the tests and a later patch on top of ours can follow)."""
 
     def decorate(replacement: F) -> F:
-        replacement = functools.wraps(original)(replacement)
-        replacement.__tba_original__ = original  # type: ignore[attr-defined]
+        functools.update_wrapper(replacement, original)  # in place
+        setattr(replacement, "__tba_original__", original)
         return replacement
 
     return decorate
 
 
-class Engine(Generic[Targets]):
+class Engine(Generic[Targets, Run]):
     """One pipeline engine's integration: how to patch it, and what its patch holds.
+
+    ``Targets`` is what ``check`` finds and ``install`` patches; ``Run`` the record of one
+    scheduler run in progress (see :meth:`record_runs`).
 
     Args:
         name: the name in messages (``tba.integrations.<name>``).
@@ -94,7 +99,7 @@ class Engine(Generic[Targets]):
         self._install = install
         self.patches = PatchSet(name)
         #: Scheduler runs in progress in this process, innermost last (see record_runs).
-        self.runs: list[Any] = []
+        self.runs: list[Run] = []
 
     # ------------------------------------------------------------------ patch state
     def is_patched(self) -> bool:
@@ -125,13 +130,15 @@ class Engine(Generic[Targets]):
         self.runs.clear()
 
     # ------------------------------------------------------------------ checks
-    def require_attr(self, owner: Any, name: str, version: str) -> Any:
-        """``getattr(owner, name)``, or :class:`IntegrationVersionError` naming this engine."""
+    def require_attr(self, owner: object, name: str, version: str) -> Any:
+        """``getattr(owner, name)``, or :class:`IntegrationVersionError` naming this engine.
+
+        The result is an internal of the engine, of a type tba does not know (``Any``)."""
         return require_attr(owner, name, self.name, version, self.tested)
 
     def require_params(
         self,
-        func: Callable[..., Any],
+        func: Callable[..., object],
         params: Iterable[str],
         version: str,
         *,
@@ -148,8 +155,8 @@ class Engine(Generic[Targets]):
 
     # ------------------------------------------------------------------ runs
     def record_runs(
-        self, original: Callable[..., Any], make_run: Callable[..., Any | None]
-    ) -> Callable[..., Any]:
+        self, original: Callable[..., object], make_run: Callable[..., Run | None]
+    ) -> Callable[..., object]:
         """Wrap a scheduler entry point so each call is recorded in :attr:`runs` while it runs.
 
         ``make_run(*args, **kwargs)`` builds the run record from the call's arguments (the
@@ -157,7 +164,7 @@ class Engine(Generic[Targets]):
         """
 
         @wrapper(original)
-        def run_recorded(*args: Any, **kwargs: Any) -> Any:
+        def run_recorded(*args: object, **kwargs: object) -> object:
             run = make_run(*args, **kwargs)
             if run is None:
                 return original(*args, **kwargs)
@@ -169,7 +176,7 @@ class Engine(Generic[Targets]):
 
         return run_recorded
 
-    def current_run(self, matches: Callable[[Any], bool] | None = None) -> Any | None:
+    def current_run(self, matches: Callable[[Run], bool] | None = None) -> Run | None:
         """The innermost run in progress (that ``matches``), or ``None``."""
         for run in reversed(self.runs):
             if matches is None or matches(run):

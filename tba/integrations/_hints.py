@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from tba.cache.stages import Action
+from tba.integrations.registry import CacheLike
 
 __all__ = ["Action", "Step", "Plan", "announce"]
 
@@ -35,7 +36,7 @@ class Step(NamedTuple):
     action: Action
 
 
-def announce(cache: Any, step: Step, nxt: Step | None) -> None:
+def announce(cache: CacheLike, step: Step, nxt: Step | None) -> None:
     """Call ``cache.set_stage`` for ``step`` with ``nxt`` as the look-ahead."""
     cache.set_stage(
         microbatch=step.microbatch,
@@ -55,15 +56,15 @@ class Plan:
         cache_of_stage: the cache serving a stage index of this rank (``None``: no cache).
     """
 
-    def __init__(self, steps: Sequence[Step], cache_of_stage: Callable[[int], Any]) -> None:
+    def __init__(self, steps: Sequence[Step], cache_of_stage: Callable[[int], CacheLike | None]) -> None:
         self.steps = list(steps)
         self._cache_of_stage = cache_of_stage
-        self._caches: dict[int, Any] = {}
+        self._caches: dict[int, CacheLike | None] = {}
         self._cursor = 0
         #: steps that ran but were not found in the plan (0 when the plan is right)
         self.num_unplanned = 0
 
-    def cache_of(self, stage: int) -> Any:
+    def cache_of(self, stage: int) -> CacheLike | None:
         if stage not in self._caches:
             self._caches[stage] = self._cache_of_stage(stage)
         return self._caches[stage]
@@ -83,7 +84,7 @@ class Plan:
             logger.debug("step %s is not in this rank's plan after position %d", step, self._cursor)
         return None
 
-    def next_for(self, index: int | None, cache: Any) -> Step | None:
+    def next_for(self, index: int | None, cache: CacheLike) -> Step | None:
         """The first planned step after ``index`` that ``cache`` serves."""
         if index is None:
             return None
@@ -92,7 +93,7 @@ class Plan:
                 return step
         return None
 
-    def announce(self, step: Step, cache: Any | None = None) -> None:
+    def announce(self, step: Step, cache: CacheLike | None = None) -> None:
         """Tell the cache serving ``step`` that it runs now, and what it runs next."""
         if cache is None:
             cache = self.cache_of(step.stage)

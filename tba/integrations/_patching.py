@@ -15,7 +15,8 @@ import logging
 import re
 from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any, Generic, Protocol, TypeVar
 
 from tba.errors import TBAError
 
@@ -31,6 +32,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 class IntegrationVersionError(TBAError):
@@ -45,8 +48,8 @@ class VersionRange:
     high: str
 
     def __contains__(self, version: str) -> bool:
-        v = _release(version)
-        return v is not None and _release(self.low) <= v < _release(self.high)  # type: ignore[operator]
+        v, low, high = _release(version), _release(self.low), _release(self.high)
+        return v is not None and low is not None and high is not None and low <= v < high
 
     def __str__(self) -> str:
         return f">={self.low},<{self.high}"
@@ -60,7 +63,7 @@ def _release(version: str) -> tuple[int, ...] | None:
     return parts + (0,) * (3 - len(parts)) if len(parts) < 3 else parts
 
 
-def installed_version(distribution: str, module: Any = None) -> str:
+def installed_version(distribution: str, module: ModuleType | None = None) -> str:
     """Version of ``distribution`` as installed, falling back to ``module.__version__``."""
     try:
         return importlib.metadata.version(distribution)
@@ -79,8 +82,10 @@ def _mismatch(
     )
 
 
-def require_attr(owner: Any, name: str, engine: str, version: str, tested: VersionRange) -> Any:
-    """``getattr(owner, name)``, or :class:`IntegrationVersionError` if it does not exist."""
+def require_attr(owner: object, name: str, engine: str, version: str, tested: VersionRange) -> Any:
+    """``getattr(owner, name)``, or :class:`IntegrationVersionError` if it does not exist.
+
+    The result is an internal of another library, of a type tba does not know (``Any``)."""
     value = getattr(owner, name, _MISSING)
     if value is _MISSING:
         owner_name = getattr(owner, "__qualname__", getattr(owner, "__name__", repr(owner)))
@@ -89,7 +94,7 @@ def require_attr(owner: Any, name: str, engine: str, version: str, tested: Versi
 
 
 def require_params(
-    func: Callable[..., Any],
+    func: Callable[..., object],
     params: Iterable[str],
     engine: str,
     version: str,
@@ -143,13 +148,62 @@ def warn_if_untested(engine: str, version: str, tested: VersionRange) -> None:
     )
 
 
+class _Replacement(Protocol):
+    """One replacement :class:`PatchSet` made, and how to undo it."""
+
+    @property
+    def replacement(self) -> object: ...
+
+    def current(self) -> object:
+        """What is there now (our replacement, unless someone patched on top of it)."""
+        ...
+
+    def undo(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+
 @dataclass
-class _Replacement:
-    owner: Any
-    name: Any
-    original: Any  # raw value (class __dict__ entry) or _MISSING if it was inherited
-    replacement: Any
-    is_item: bool
+class _AttrReplacement:
+    owner: object
+    name: str
+    original: object  # raw value (class __dict__ entry) or _MISSING if it was inherited
+    replacement: object
+
+    def current(self) -> object:
+        if isinstance(self.owner, type):
+            return vars(self.owner).get(self.name, _MISSING)
+        return getattr(self.owner, self.name, _MISSING)
+
+    def undo(self) -> None:
+        if self.original is _MISSING:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.original)
+
+    def describe(self) -> str:
+        return f"{_name_of(self.owner)}.{self.name}"
+
+
+@dataclass
+class _ItemReplacement(Generic[K, V]):
+    mapping: MutableMapping[K, V]
+    key: K
+    original: V
+    replacement: V
+
+    def current(self) -> object:
+        return self.mapping[self.key]
+
+    def undo(self) -> None:
+        self.mapping[self.key] = self.original
+
+    def describe(self) -> str:
+        return f"{_name_of(self.mapping)}[{self.key!r}]"
+
+
+def _name_of(owner: object) -> str:
+    return str(getattr(owner, "__qualname__", getattr(owner, "__name__", type(owner).__name__)))
 
 
 class PatchSet:
@@ -163,17 +217,18 @@ class PatchSet:
     def active(self) -> bool:
         return bool(self._replacements)
 
-    def replace_attr(self, owner: Any, name: str, replacement: Any) -> None:
+    def replace_attr(self, owner: object, name: str, replacement: object) -> None:
         """``setattr(owner, name, replacement)``, remembering the raw previous value."""
         raw = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
         if raw is _MISSING and not isinstance(owner, type):
             raw = getattr(owner, name)
         setattr(owner, name, replacement)
-        self._replacements.append(_Replacement(owner, name, raw, replacement, is_item=False))
+        self._replacements.append(_AttrReplacement(owner, name, raw, replacement))
 
-    def replace_item(self, mapping: MutableMapping[Any, Any], key: Any, replacement: Any) -> None:
+    def replace_item(self, mapping: MutableMapping[K, V], key: K, replacement: V) -> None:
         """``mapping[key] = replacement``, remembering the previous value."""
-        self._replacements.append(_Replacement(mapping, key, mapping[key], replacement, True))
+        record: _ItemReplacement[K, V] = _ItemReplacement(mapping, key, mapping[key], replacement)
+        self._replacements.append(record)
         mapping[key] = replacement
 
     def restore(self) -> None:
@@ -184,28 +239,11 @@ class PatchSet:
                 be lost, so nothing is restored. Undo theirs first.
         """
         for r in self._replacements:
-            current = r.owner[r.name] if r.is_item else _raw(r.owner, r.name)
-            if current is not r.replacement:
+            if r.current() is not r.replacement:
                 raise TBAError(
-                    f"tba.integrations.{self.engine}.unpatch(): {_describe(r)} was replaced "
+                    f"tba.integrations.{self.engine}.unpatch(): {r.describe()} was replaced "
                     "again after tba patched it; undo that patch first"
                 )
         for r in reversed(self._replacements):
-            if r.is_item:
-                r.owner[r.name] = r.original
-            elif r.original is _MISSING:
-                delattr(r.owner, r.name)
-            else:
-                setattr(r.owner, r.name, r.original)
+            r.undo()
         self._replacements.clear()
-
-
-def _raw(owner: Any, name: str) -> Any:
-    if isinstance(owner, type):
-        return vars(owner).get(name, _MISSING)
-    return getattr(owner, name, _MISSING)
-
-
-def _describe(r: _Replacement) -> str:
-    owner = getattr(r.owner, "__qualname__", getattr(r.owner, "__name__", type(r.owner).__name__))
-    return f"{owner}[{r.name!r}]" if r.is_item else f"{owner}.{r.name}"

@@ -9,11 +9,14 @@ cache when training ends.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from tba.config import TensorCacheConfig
+
+if TYPE_CHECKING:
+    from tba.cache.tensor_cache import TensorCache
 
 __all__ = ["CacheOwner", "LOGGED_FIELDS", "unwrap"]
 
@@ -37,10 +40,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The module inside DDP / DataParallel / ``torch.compile`` wrappers: tba hooks the model
     itself."""
     while True:
+        compiled = getattr(model, "_orig_mod", None)
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif isinstance(compiled, nn.Module):
+            model = compiled
         else:
             return model
 
@@ -56,7 +60,7 @@ class CacheOwner:
         from tba import _resolve_config
 
         self.config = _resolve_config(config, options)
-        self.cache: Any = None
+        self.cache: TensorCache | None = None
 
     def open(self, model: nn.Module) -> None:
         import tba

@@ -29,9 +29,13 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import logging
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
+from tba.cache.stages import Action
 from tba.integrations import registry
 from tba.integrations._engine import Engine, wrapper
 from tba.integrations._hints import Plan, Step, announce
@@ -55,8 +59,14 @@ _INSTRUCTIONS = (
 )
 
 
-def _check(version: str) -> tuple[Any, Any]:
-    from deepspeed.runtime.pipe import engine, schedule
+# DeepSpeed ships no types: its classes and objects (the PipelineEngine class, an engine, a
+# PipeSchedule) are ``Any`` here.
+_Targets = tuple[Any, ModuleType]  # (PipelineEngine, deepspeed.runtime.pipe.schedule)
+
+
+def _check(version: str) -> _Targets:
+    engine = importlib.import_module("deepspeed.runtime.pipe.engine")
+    schedule = importlib.import_module("deepspeed.runtime.pipe.schedule")
 
     need, params = ENGINE.require_attr, ENGINE.require_params
     pipeline_engine = need(engine, "PipelineEngine", version)
@@ -80,7 +90,7 @@ def _check(version: str) -> tuple[Any, Any]:
     return pipeline_engine, schedule
 
 
-def _install(targets: tuple[Any, Any]) -> None:
+def _install(targets: _Targets) -> None:
     pipeline_engine, schedule = targets
     try:  # Engines that copy the map at import (DualPipeV) must copy the originals.
         import deepspeed.runtime.pipe.dualpipev  # noqa: F401
@@ -92,7 +102,7 @@ def _install(targets: tuple[Any, Any]) -> None:
             instruction_map, cls, _wrap_instruction(cls, instruction_map[cls], schedule)
         )
 
-    def make_run(engine: Any, pipe_schedule: Any, *args: Any, **kwargs: Any) -> _Run | None:
+    def make_run(engine: Any, pipe_schedule: Any, *args: object, **kwargs: object) -> _Run | None:
         if type(engine)._INSTRUCTION_MAP is not pipeline_engine._INSTRUCTION_MAP:
             return None  # its own instruction map (DualPipeVEngine): not hinted
         return _Run(engine, pipe_schedule)
@@ -106,7 +116,7 @@ def _install(targets: tuple[Any, Any]) -> None:
 
 #: DeepSpeed versions this integration was run against (CPU accelerator, gloo).
 TESTED_VERSIONS = VersionRange("0.19.8", "0.20")
-ENGINE = Engine(
+ENGINE: Engine[_Targets, _Run] = Engine(
     "deepspeed",
     TESTED_VERSIONS,
     module="deepspeed",
@@ -141,13 +151,13 @@ def unpatch() -> None:
 
 class _Run:
     def __init__(self, engine: Any, pipe_schedule: Any) -> None:
-        from deepspeed.runtime.pipe import schedule
+        schedule = importlib.import_module("deepspeed.runtime.pipe.schedule")
 
         self.engine = engine
         self.stage = int(engine.stage_id)
         self.cache = registry.lookup(engine.module)
         # Expected instruction stream: (instruction type, buffer_id) per instruction.
-        self.expected: list[tuple[type, Any]] = []
+        self.expected: list[tuple[type, object]] = []
         # Instruction index -> the compute step announced when execution reaches it.
         self.announce_at: dict[int, Step] = {}
         # Instruction index of each ForwardPass/BackwardPass -> its step.
@@ -155,7 +165,7 @@ class _Run:
         self.cursor = 0
         self.lost = True
         # Fallback bookkeeping: buffer -> microbatch last forwarded into it.
-        self.buffer_microbatch: dict[Any, int] = {}
+        self.buffer_microbatch: dict[object, int] = {}
         self.num_forwards = 0
         steps: list[Step] = []
         microbatch_of = _microbatch_function(schedule, pipe_schedule)
@@ -166,7 +176,7 @@ class _Run:
                     index = len(self.expected)
                     self.expected.append((type(cmd), cmd.kwargs.get("buffer_id")))
                     if type(cmd) in (schedule.ForwardPass, schedule.BackwardPass):
-                        action = "forward" if type(cmd) is schedule.ForwardPass else "backward"
+                        action: Action = "forward" if type(cmd) is schedule.ForwardPass else "backward"
                         step = Step(self.stage, int(microbatch_of(step_id)), action)
                         steps.append(step)
                         self.compute_at[index] = step
@@ -175,7 +185,7 @@ class _Run:
             self.lost = False
         self.plan = Plan(steps, lambda stage: self.cache if stage == self.stage else None)
 
-    def before(self, cls: type, kwargs: dict[str, Any], schedule: Any) -> None:
+    def before(self, cls: type, kwargs: dict[str, object], schedule: ModuleType) -> None:
         if not self.lost:
             index = self.cursor
             expected = self.expected[index] if index < len(self.expected) else None
@@ -200,8 +210,9 @@ class _Run:
             self.lost = True
         self._fallback(cls, kwargs, schedule)
 
-    def _fallback(self, cls: type, kwargs: dict[str, Any], schedule: Any) -> None:
+    def _fallback(self, cls: type, kwargs: dict[str, object], schedule: ModuleType) -> None:
         buffer_id = kwargs.get("buffer_id")
+        action: Action
         if cls is schedule.ForwardPass:
             microbatch = self.num_forwards
             self.num_forwards += 1
@@ -213,10 +224,10 @@ class _Run:
         else:
             return
         if self.cache is not None:
-            announce(self.cache, Step(self.stage, microbatch, action), None)  # type: ignore[arg-type]
+            announce(self.cache, Step(self.stage, microbatch, action), None)
 
 
-def _microbatch_function(schedule: Any, pipe_schedule: Any) -> Any:
+def _microbatch_function(schedule: ModuleType, pipe_schedule: Any) -> Callable[[int], int] | None:
     kind = type(pipe_schedule)
     if kind is schedule.TrainSchedule:
         return lambda step_id: pipe_schedule._step_to_micro_batch(step_id)[0]
@@ -228,9 +239,11 @@ def _microbatch_function(schedule: Any, pipe_schedule: Any) -> Any:
     return None
 
 
-def _wrap_instruction(cls: type, original: Any, schedule: Any) -> Any:
+def _wrap_instruction(
+    cls: type, original: Callable[..., object], schedule: ModuleType
+) -> Callable[..., object]:
     @wrapper(original)
-    def instruction(self: Any, **kwargs: Any) -> Any:
+    def instruction(self: object, **kwargs: object) -> object:
         run = ENGINE.current_run(lambda r: r.engine is self)
         if run is not None:
             run.before(cls, kwargs, schedule)

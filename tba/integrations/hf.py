@@ -18,20 +18,27 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
 
 from tba.config import TensorCacheConfig
 from tba.integrations._engine import import_extra
 from tba.integrations._trainer import CacheOwner
 
+if TYPE_CHECKING:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+    from tba.cache.tensor_cache import TensorCache
+else:  # the error names the extra to install
+    TrainerCallback = import_extra("transformers", "tba.integrations.hf", "hf").TrainerCallback
+
 __all__ = ["TensorCacheCallback"]
 
 logger = logging.getLogger(__name__)
 
-_transformers = import_extra("transformers", "tba.integrations.hf", "hf")
 
-
-class TensorCacheCallback(_transformers.TrainerCallback):  # type: ignore[misc,name-defined]
+class TensorCacheCallback(TrainerCallback):
     """A ``TrainerCallback`` that offloads the model's activations for the whole ``train()``.
 
     Args:
@@ -56,11 +63,16 @@ class TensorCacheCallback(_transformers.TrainerCallback):  # type: ignore[misc,n
         self.log_stats = log_stats
 
     @property
-    def cache(self) -> Any:
+    def cache(self) -> TensorCache | None:
         return self._owner.cache
 
     def on_train_begin(
-        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: object,
     ) -> None:
         if model is None:
             raise ValueError(
@@ -70,7 +82,12 @@ class TensorCacheCallback(_transformers.TrainerCallback):  # type: ignore[misc,n
         self._owner.open(model)
 
     def on_log(
-        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, object] | None = None,
+        **kwargs: object,
     ) -> None:
         if not self.log_stats or logs is None or self._owner.cache is None:
             return
@@ -81,7 +98,9 @@ class TensorCacheCallback(_transformers.TrainerCallback):  # type: ignore[misc,n
         if history and history[-1].get("step") == state.global_step:
             history[-1].update(stats)
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         self._owner.close()
 
     def close(self) -> None:

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -40,21 +41,27 @@ from tba.config import TensorCacheConfig
 from tba.integrations._engine import import_extra
 from tba.integrations._trainer import CacheOwner
 
+if TYPE_CHECKING:  # checked against the standalone package; lightning.pytorch is the same API
+    import pytorch_lightning as _pl
+
+    from tba.cache.tensor_cache import TensorCache
+
 __all__ = ["TensorCacheCallback"]
 
 logger = logging.getLogger(__name__)
 
 
-def _lightning_module() -> Any:
+def _lightning_module() -> ModuleType:
     if importlib.util.find_spec("lightning") is not None:
         return import_extra("lightning.pytorch", "tba.integrations.lightning", "lightning")
     return import_extra("pytorch_lightning", "tba.integrations.lightning", "lightning")
 
 
-_pl = _lightning_module()
+if not TYPE_CHECKING:
+    _pl = _lightning_module()
 
 
-class TensorCacheCallback(_pl.Callback):  # type: ignore[misc,name-defined]
+class TensorCacheCallback(_pl.Callback):
     """A Lightning ``Callback`` that offloads the module's activations while it fits.
 
     Args:
@@ -84,15 +91,20 @@ class TensorCacheCallback(_pl.Callback):  # type: ignore[misc,name-defined]
         self._checked = False
 
     @property
-    def cache(self) -> Any:
+    def cache(self) -> TensorCache | None:
         return self._owner.cache
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_fit_start(self, trainer: _pl.Trainer, pl_module: _pl.LightningModule) -> None:
         self._checked = False
         self._owner.open(_target(pl_module, self.module))
 
     def on_train_batch_end(
-        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: _pl.Trainer,
+        pl_module: _pl.LightningModule,
+        outputs: object,
+        batch: object,
+        batch_idx: int,
     ) -> None:
         cache = self._owner.cache
         if cache is None:
@@ -111,11 +123,13 @@ class TensorCacheCallback(_pl.Callback):  # type: ignore[misc,name-defined]
         if self.log_stats:
             pl_module.log_dict(self._owner.step_stats(), on_step=True, on_epoch=False)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def teardown(self, trainer: _pl.Trainer, pl_module: _pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._owner.close()
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: _pl.Trainer, pl_module: _pl.LightningModule, exception: BaseException
+    ) -> None:
         # Lightning skips teardown hooks when fitting raises; it calls this instead.
         self._owner.close()
 
@@ -124,7 +138,7 @@ class TensorCacheCallback(_pl.Callback):  # type: ignore[misc,name-defined]
         self._owner.close()
 
 
-def _target(pl_module: Any, name: str | None) -> nn.Module:
+def _target(pl_module: _pl.LightningModule, name: str | None) -> nn.Module:
     """The module ``training_step`` runs: ``name``, or see the module docstring."""
     if name is not None:
         try:

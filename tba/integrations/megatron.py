@@ -32,14 +32,20 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
+
+from torch import nn
 
 from tba.integrations import registry
 from tba.integrations._engine import Engine, wrapper
 from tba.integrations._hints import Plan, Step
 from tba.integrations._patching import VersionRange
+from tba.integrations.registry import CacheLike
 
 __all__ = ["patch", "unpatch", "is_patched", "TESTED_VERSIONS"]
 
@@ -54,13 +60,12 @@ _SCHEDULE_FUNCTIONS = (
 )
 
 
-def _check(version: str) -> Any:
-    from megatron.core.pipeline_parallel import schedules
+def _check(version: str) -> ModuleType:
+    schedules = importlib.import_module("megatron.core.pipeline_parallel.schedules")
 
-    def need(name: str, params: list[str], prefix: list[str] | None = None) -> Any:
+    def need(name: str, params: list[str], prefix: list[str] | None = None) -> None:
         func = ENGINE.require_attr(schedules, name, version)
         ENGINE.require_params(func, params, version, positional_prefix=prefix)
-        return func
 
     need(
         "forward_step",
@@ -105,7 +110,7 @@ def _check(version: str) -> Any:
     return schedules
 
 
-def _install(schedules: Any) -> None:
+def _install(schedules: ModuleType) -> None:
     _signatures["forward_step"] = inspect.signature(schedules.forward_step)
     _signatures["backward_step"] = inspect.signature(schedules.backward_step)
     patches = ENGINE.patches
@@ -118,7 +123,7 @@ def _install(schedules: Any) -> None:
 
 #: megatron-core versions this integration was run against (CPU, gloo, with a cuda shim).
 TESTED_VERSIONS = VersionRange("0.16.1", "0.17")
-ENGINE = Engine(
+ENGINE: Engine[ModuleType, _Run] = Engine(
     "megatron",
     TESTED_VERSIONS,
     module="megatron.core",
@@ -152,12 +157,13 @@ def unpatch() -> None:
 
 
 class _Run:
+    # Megatron ships no types: the values of ``kwargs`` (its call's arguments) are ``Any``.
     def __init__(self, kind: str, kwargs: dict[str, Any]) -> None:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import schedules
 
         model = kwargs["model"]
-        self.models: list[Any] = list(model) if isinstance(model, list) else [model]
+        self.models: list[nn.Module] = list(model) if isinstance(model, list) else [model]
         self.forward_only = bool(kwargs.get("forward_only", False))
         num_microbatches = int(kwargs["num_microbatches"])
         p2p = kwargs.get("p2p_communicator")
@@ -183,20 +189,20 @@ class _Run:
         else:
             steps = self._interleaved(schedules, config, num_microbatches, p2p)
         # output object id -> (output object, its forward's step); see backward_step.
-        self.pending: dict[int, tuple[Any, Step]] = {}
+        self.pending: dict[int, tuple[object, Step]] = {}
         self.num_forwards = [0] * len(self.models)
         self.plan = Plan(steps, self._cache_of_stage)
 
     def stage_of_chunk(self, chunk: int) -> int:
         return chunk * self.pp_size + self.pp_rank
 
-    def _cache_of_stage(self, stage: int) -> Any:
+    def _cache_of_stage(self, stage: int) -> CacheLike | None:
         chunk, rank = divmod(stage, self.pp_size)
         if rank != self.pp_rank or not 0 <= chunk < len(self.models):
             return None
         return registry.lookup(self.models[chunk])
 
-    def chunk_of(self, model: Any) -> int | None:
+    def chunk_of(self, model: object) -> int | None:
         for index, candidate in enumerate(self.models):
             if candidate is model:
                 return index
@@ -214,7 +220,7 @@ class _Run:
             steps.extend(Step(stage, i, "backward") for i in range(n - warmup, n))
         return steps
 
-    def _interleaved(self, schedules: Any, config: Any, n: int, p2p: Any) -> list[Step]:
+    def _interleaved(self, schedules: ModuleType, config: Any, n: int, p2p: object) -> list[Step]:
         chunks = len(self.models)
         group = config.microbatch_group_size_per_vp_stage
         total, _, warmup, remaining = schedules.get_pp_rank_microbatches(
@@ -250,24 +256,25 @@ class _Run:
         return steps
 
 
-def _config_of(model: Any) -> Any:
+def _config_of(model: object) -> Any:
+    """The Megatron ``TransformerConfig`` of a model chunk (through its wrappers), or None."""
     while getattr(model, "config", None) is None and hasattr(model, "module"):
         model = model.module
     return getattr(model, "config", None)
 
 
-def _run_maker(kind: str) -> Any:
-    def make_run(*args: Any, **kwargs: Any) -> _Run:
+def _run_maker(kind: str) -> Callable[..., _Run]:
+    def make_run(*args: object, **kwargs: Any) -> _Run:
         return _Run(kind, kwargs)
 
     return make_run
 
 
-def _wrap_forward_step(original: Any) -> Any:
+def _wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = _signatures["forward_step"]
 
     @wrapper(original)
-    def forward_step(*args: Any, **kwargs: Any) -> Any:
+    def forward_step(*args: object, **kwargs: object) -> Any:
         run = ENGINE.current_run()
         if run is None:
             return original(*args, **kwargs)
@@ -281,20 +288,20 @@ def _wrap_forward_step(original: Any) -> Any:
             run.num_forwards[chunk] += 1
             step = Step(run.stage_of_chunk(chunk), int(microbatch), "forward")
             run.plan.announce(step)
-        result = original(*args, **kwargs)
+        result = original(*args, **kwargs)  # Megatron's (output_tensor, num_tokens)
         if step is not None and not run.forward_only:
-            output = result[0]  # (output_tensor, num_tokens)
+            output = result[0]
             run.pending[id(output)] = (output, step)
         return result
 
     return forward_step
 
 
-def _wrap_backward_step(original: Any) -> Any:
+def _wrap_backward_step(original: Callable[..., object]) -> Callable[..., object]:
     signature = _signatures["backward_step"]
 
     @wrapper(original)
-    def backward_step(*args: Any, **kwargs: Any) -> Any:
+    def backward_step(*args: object, **kwargs: object) -> object:
         run = ENGINE.current_run()
         if run is not None:
             output = signature.bind_partial(*args, **kwargs).arguments.get("output_tensor")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -28,7 +28,11 @@ __all__ = ["CacheLike", "register", "unregister", "lookup", "registered", "get"]
 
 
 class CacheLike(Protocol):
-    """What the integrations need from a tensor cache (``tba.TensorCache`` satisfies it)."""
+    """What the registry and the integrations need from a tensor cache.
+
+    ``tba.TensorCache`` satisfies it; so does any object with these two methods (the tests'
+    recording fakes).
+    """
 
     def set_stage(
         self,
@@ -39,18 +43,27 @@ class CacheLike(Protocol):
         next_microbatch: int | None = None,
         next_action: str | None = None,
         next_stage: int | None = None,
-    ) -> None: ...
+    ) -> None:
+        """What runs now (``stage``, ``microbatch``, ``action``) and what runs next, if known."""
+        ...
+
+    def close(self) -> None:
+        """End the cache (``tba.configure_tensor_cache`` closes a module's previous cache)."""
+        ...
 
 
 _lock = threading.Lock()
 # module -> weak reference to its cache; weak on both sides: the cache holds its module, so a
 # strong value would keep the key alive forever.
-_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
-# Memo of lookup() answers for modules that are not registered themselves; cleared on change.
-_memo: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+_refs: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[CacheLike]] = weakref.WeakKeyDictionary()
+# Memo of lookup() answers for modules that are not registered themselves (None: no cache);
+# cleared on change.
+_memo: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[CacheLike] | None] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def register(cache: Any, module: torch.nn.Module) -> None:
+def register(cache: CacheLike, module: torch.nn.Module) -> None:
     """Record that ``cache`` holds the activations of ``module`` (and its submodules).
 
     Raises:
@@ -69,18 +82,18 @@ def register(cache: Any, module: torch.nn.Module) -> None:
         _memo.clear()
 
 
-def get(module: torch.nn.Module) -> Any | None:
+def get(module: torch.nn.Module) -> CacheLike | None:
     """The cache registered for ``module`` itself, or None."""
     with _lock:
         return _get(module)
 
 
-def _get(module: torch.nn.Module) -> Any | None:
+def _get(module: torch.nn.Module) -> CacheLike | None:
     ref = _refs.get(module)
     return None if ref is None else ref()
 
 
-def _items() -> list[tuple[torch.nn.Module, Any]]:
+def _items() -> list[tuple[torch.nn.Module, CacheLike]]:
     out = []
     for module, ref in list(_refs.items()):
         cache = ref()
@@ -89,7 +102,7 @@ def _items() -> list[tuple[torch.nn.Module, Any]]:
     return out
 
 
-def unregister(cache_or_module: Any) -> None:
+def unregister(cache_or_module: CacheLike | torch.nn.Module) -> None:
     """Forget a cache (every module it was registered for) or one module. Idempotent."""
     with _lock:
         if isinstance(cache_or_module, torch.nn.Module):
@@ -100,7 +113,7 @@ def unregister(cache_or_module: Any) -> None:
         _memo.clear()
 
 
-def lookup(module: torch.nn.Module) -> Any | None:
+def lookup(module: torch.nn.Module) -> CacheLike | None:
     """The cache serving ``module``, or ``None``.
 
     Tried in order: ``module`` itself; a registered module inside ``module`` (``module`` wraps
@@ -114,7 +127,6 @@ def lookup(module: torch.nn.Module) -> Any | None:
         if module in _memo:
             ref = _memo[module]
             return None if ref is None else ref()
-        found = None
         items = _items()
         inner = {id(m) for m in module.modules()}
         for registered_module, cache in items:
@@ -130,7 +142,7 @@ def lookup(module: torch.nn.Module) -> Any | None:
         return found
 
 
-def registered() -> list[tuple[torch.nn.Module, Any]]:
+def registered() -> list[tuple[torch.nn.Module, CacheLike]]:
     """Every (module, cache) pair currently registered, for debugging and tests."""
     with _lock:
         return _items()

@@ -23,13 +23,30 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from tba.cache.stages import Action
 from tba.integrations import registry
 from tba.integrations._engine import Engine, wrapper
 from tba.integrations._hints import Plan, Step, announce
 from tba.integrations._patching import VersionRange
+from tba.integrations.registry import CacheLike
+
+if TYPE_CHECKING:  # imported when patching, not with this module
+    from typing import TypeAlias
+
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        _Action,
+    )
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    Schedule: TypeAlias = PipelineScheduleSingle | PipelineScheduleMulti
+    _Targets: TypeAlias = tuple[
+        type[_PipelineStageBase], type[PipelineScheduleSingle], type[PipelineScheduleMulti]
+    ]
 
 __all__ = [
     "patch",
@@ -51,7 +68,7 @@ ACTION_OF_COMPUTATION_TYPE: dict[str, Action] = {
 }
 
 
-def _check(version: str) -> tuple[Any, Any, Any]:
+def _check(version: str) -> _Targets:
     from torch.distributed.pipelining import schedules, stage
 
     need, params = ENGINE.require_attr, ENGINE.require_params
@@ -83,7 +100,7 @@ def _check(version: str) -> tuple[Any, Any, Any]:
     return base, schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti
 
 
-def _install(targets: tuple[Any, Any, Any]) -> None:
+def _install(targets: _Targets) -> None:
     base, single, multi = targets
     patches = ENGINE.patches
     patches.replace_attr(base, "forward_one_chunk", _wrap_forward(base.forward_one_chunk))
@@ -97,7 +114,7 @@ def _install(targets: tuple[Any, Any, Any]) -> None:
 
 #: torch versions this integration was run against (CPU, gloo).
 TESTED_VERSIONS = VersionRange("2.13", "2.14")
-ENGINE = Engine(
+ENGINE: Engine[_Targets, _Run] = Engine(
     "torch_pipelining",
     TESTED_VERSIONS,
     module="torch.distributed.pipelining",
@@ -129,13 +146,15 @@ def unpatch() -> None:
 # The schedule's plan for this rank
 
 
-def _schedule_stages(schedule: Any) -> list[Any]:
-    if hasattr(schedule, "_stages"):
+def _schedule_stages(schedule: Schedule) -> list[_PipelineStageBase]:
+    from torch.distributed.pipelining import schedules
+
+    if isinstance(schedule, schedules.PipelineScheduleMulti):
         return list(schedule._stages)
     return [schedule._stage]
 
 
-def _single_stage_plan(schedule: Any) -> list[Step] | None:
+def _single_stage_plan(schedule: PipelineScheduleSingle) -> list[Step] | None:
     """GPipe and 1F1B run their own loops; their ``pipeline_order`` is only a picture and is
     wrong for 1F1B's last stage in torch 2.13 (it lists F1..F4 where F0..F3 run). Mirror the
     loops of ``_step_microbatches`` instead."""
@@ -167,14 +186,16 @@ def _single_stage_plan(schedule: Any) -> list[Step] | None:
     return None
 
 
-def plan_for(schedule: Any) -> list[Step]:
+def plan_for(schedule: Schedule) -> list[Step]:
     """This rank's compute steps, in the order ``schedule.step()`` runs them.
 
     Single-stage GPipe/1F1B: their loops, mirrored. Otherwise read from
     ``pipeline_order_with_comms`` (what ``_PipelineScheduleRuntime`` executes) or
     ``pipeline_order``; empty when the schedule has neither (no look-ahead then).
     """
-    if hasattr(schedule, "_stage") and not hasattr(schedule, "_stages"):
+    from torch.distributed.pipelining import schedules
+
+    if isinstance(schedule, schedules.PipelineScheduleSingle):
         mirrored = _single_stage_plan(schedule)
         if mirrored is not None:
             return mirrored
@@ -190,7 +211,7 @@ def plan_for(schedule: Any) -> list[Step]:
     has_backward = getattr(schedule, "_has_backward", True)
     steps: list[Step] = []
 
-    def add(action: Any) -> None:
+    def add(action: _Action | None) -> None:
         if action is None:
             return
         if action.sub_actions:
@@ -210,28 +231,29 @@ def plan_for(schedule: Any) -> list[Step]:
 
 
 class _Run(NamedTuple):
-    """One ``schedule.step()`` in progress and this rank's plan for it."""
+    """One ``schedule.step()`` in progress: the stages it runs on this rank and their plan."""
 
-    schedule: Any
+    stages: list[_PipelineStageBase]
     plan: Plan
 
     @classmethod
-    def of_schedule(cls, schedule: Any, *args: Any, **kwargs: Any) -> _Run:
-        by_index = {s.stage_index: s for s in _schedule_stages(schedule)}
+    def of_schedule(cls, schedule: Schedule, *args: object, **kwargs: object) -> _Run:
+        stages = _schedule_stages(schedule)
+        by_index = {s.stage_index: s for s in stages}
 
-        def cache_of_stage(stage_index: int) -> Any:
+        def cache_of_stage(stage_index: int) -> CacheLike | None:
             stage = by_index.get(stage_index)
             return None if stage is None else registry.lookup(stage.submod)
 
-        return cls(schedule, Plan(plan_for(schedule), cache_of_stage))
+        return cls(stages, Plan(plan_for(schedule), cache_of_stage))
 
 
-def _plan_of(stage: Any) -> Plan | None:
-    run = ENGINE.current_run(lambda r: any(s is stage for s in _schedule_stages(r.schedule)))
+def _plan_of(stage: _PipelineStageBase) -> Plan | None:
+    run = ENGINE.current_run(lambda r: any(s is stage for s in r.stages))
     return None if run is None else run.plan
 
 
-def _announce(stage: Any, microbatch: int, action: Action) -> None:
+def _announce(stage: _PipelineStageBase, microbatch: int, action: Action) -> None:
     if action != "forward" and not getattr(stage, "has_backward", True):
         return  # eval(): the stage returns without running backward
     cache = registry.lookup(stage.submod)
@@ -249,18 +271,22 @@ def _announce(stage: Any, microbatch: int, action: Action) -> None:
 # Wrappers
 
 
-def _wrap_forward(original: Any) -> Any:
+def _wrap_forward(original: Callable[..., object]) -> Callable[..., object]:
     @wrapper(original)
-    def forward_one_chunk(self: Any, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def forward_one_chunk(
+        self: _PipelineStageBase, fwd_chunk_id: int, *args: object, **kwargs: object
+    ) -> object:
         _announce(self, fwd_chunk_id, "forward")
         return original(self, fwd_chunk_id, *args, **kwargs)
 
     return forward_one_chunk
 
 
-def _wrap_backward(original: Any) -> Any:
+def _wrap_backward(original: Callable[..., object]) -> Callable[..., object]:
     @wrapper(original)
-    def backward_one_chunk(self: Any, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def backward_one_chunk(
+        self: _PipelineStageBase, bwd_chunk_id: int, *args: object, **kwargs: object
+    ) -> object:
         # (loss, full_backward, last_backward) follow bwd_chunk_id, checked in _check().
         full_backward = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
         _announce(self, bwd_chunk_id, "backward" if full_backward else "input_grad")
@@ -269,9 +295,11 @@ def _wrap_backward(original: Any) -> Any:
     return backward_one_chunk
 
 
-def _wrap_weight(original: Any) -> Any:
+def _wrap_weight(original: Callable[..., object]) -> Callable[..., object]:
     @wrapper(original)
-    def backward_weight_one_chunk(self: Any, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def backward_weight_one_chunk(
+        self: _PipelineStageBase, bwd_chunk_id: int, *args: object, **kwargs: object
+    ) -> object:
         _announce(self, bwd_chunk_id, "weight_grad")
         return original(self, bwd_chunk_id, *args, **kwargs)
 

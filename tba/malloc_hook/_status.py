@@ -12,11 +12,14 @@ import ctypes
 import dataclasses
 import functools
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from tba.malloc_hook._alloc_conf import allocator_problem
 from tba.malloc_hook._errors import MallocHookError
 from tba.malloc_hook._library import LIBRARY_NAME
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 __all__ = ["HookStatus", "CufileState", "RegisterMode", "status", "set_enabled", "tagged_allocations"]
 
@@ -108,10 +111,10 @@ class HookStatus:
 @dataclasses.dataclass(frozen=True)
 class _Hook:
     # ctypes foreign functions (their argtypes/restype are set once, below).
-    get_status: Any
-    set_enabled: Any
-    last_error: Any
-    set_thread_tagged: Any
+    get_status: CFuncPtr
+    set_enabled: CFuncPtr
+    last_error: CFuncPtr
+    set_thread_tagged: CFuncPtr
 
 
 @functools.cache
@@ -170,6 +173,7 @@ def status() -> HookStatus:
             last_error=None,
             cufile_state="not_loaded",
             allocator_problem=problem,
+            register_mode="all",
             **zeros,
         )
     raw = _StatusStruct()

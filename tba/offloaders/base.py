@@ -6,7 +6,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Offloader"]
+__all__ = ["Offloader", "StoresNow"]
 
 
 @runtime_checkable
@@ -70,4 +70,12 @@ class Offloader(Protocol):
 
     def close(self) -> None:
         """Release every resource (memory, files, threads). Idempotent."""
+        ...
+
+
+class StoresNow(Protocol):
+    """The optional part of an ``Offloader`` (see its docstring): ``store_now``."""
+
+    def store_now(self, storage: torch.UntypedStorage) -> Any:
+        """Store ``storage`` at once and return a token, or None to leave it to ``store``."""
         ...

@@ -11,16 +11,14 @@ import torch
 
 from tba.errors import TBAError
 from tba.offloaders._stream_wait import wait_for_stream
-
 from tba.offloaders.extents import ExtentAllocator
-from tba.offloaders.host_memory import PAGE_BYTES, HostAllocator, HostBuffer, discard_pages
+from tba.offloaders.host_memory import HostAllocator, HostBuffer, discard_pages
+from tba.settings import HOST_POOL_ALIGNMENT, HOST_POOL_MIN_SLAB_BYTES, PAGE_BYTES
 
 __all__ = ["HostOffloader"]
 
 logger = logging.getLogger(__name__)
 
-_ALIGNMENT = 512
-_MIN_SLAB_BYTES = 64 << 20
 
 
 class _Slab:
@@ -30,7 +28,7 @@ class _Slab:
 
     def __init__(self, buffer: HostBuffer) -> None:
         self.buffer = buffer
-        self.extents = ExtentAllocator(buffer.num_bytes, alignment=_ALIGNMENT)
+        self.extents = ExtentAllocator(buffer.num_bytes, alignment=HOST_POOL_ALIGNMENT)
 
 
 # A token: the slab, the offset in it and the byte count.
@@ -150,11 +148,11 @@ class HostOffloader:
             want = max(num_bytes, reserve)
             logger.info("host pool sized to %d bytes from the profiled step", want)
         else:
-            want = max(num_bytes, _MIN_SLAB_BYTES, capacity, self._initial_bytes if not capacity else 0)
+            want = max(num_bytes, HOST_POOL_MIN_SLAB_BYTES, capacity, self._initial_bytes if not capacity else 0)
         want = _aligned(want)
         if self._max_bytes is not None:
             want = min(want, self._max_bytes - everything)
-            if want < max(_ALIGNMENT, _aligned(num_bytes)):
+            if want < max(HOST_POOL_ALIGNMENT, _aligned(num_bytes)):
                 return None
         slab = self._new_slab(pinned, want)
         with self._lock:
@@ -279,7 +277,7 @@ class HostOffloader:
 
 
 def _aligned(num_bytes: int) -> int:
-    return (num_bytes + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+    return (num_bytes + HOST_POOL_ALIGNMENT - 1) // HOST_POOL_ALIGNMENT * HOST_POOL_ALIGNMENT
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool) -> None:

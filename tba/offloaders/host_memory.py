@@ -76,7 +76,7 @@ class CudaHostRegister:
             logger.warning("cudaHostUnregister(%#x) failed: %s", ptr, _error_text(cudart, error))
 
 
-def _error_text(cudart: object, error: object) -> str:
+def _error_text(cudart: object, error: int) -> str:
     describe = getattr(cudart, "cudaGetErrorString", None)
     try:
         return f"{describe(error)} ({int(error)})" if describe is not None else str(int(error))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -74,7 +74,7 @@ class Throttled:
             problems.append(f"offloader={offloader!r}: expected 'host', 'ssd' or an Offloader")
         if problems:
             raise ValueError("invalid tba.offloaders.Throttled:\n" + "\n".join(f"  - {p}" for p in problems))
-        self.inner: Offloader = offloader  # type: ignore[assignment]
+        self.inner = cast(Offloader, offloader)  # a name was replaced above, a wrong type raised
         self.name = f"throttled-{self.inner.name}"
         self._write = _Pace(write_bytes_per_s)
         self._read = _Pace(read_bytes_per_s)

@@ -8,7 +8,6 @@ offer it: the cache does not ask which offloader it has.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 __all__ = ["TierStats", "merge_tiers", "take_tier_stats"]
 
@@ -60,7 +59,8 @@ def merge_tiers(earlier: dict[str, TierStats], later: dict[str, TierStats]) -> d
     return out
 
 
-def take_tier_stats(offloader: Any) -> dict[str, TierStats]:
+def take_tier_stats(offloader: object) -> dict[str, TierStats]:
     """The offloader's tier counters since the last call (empty for an offloader without tiers)."""
     take = getattr(offloader, "take_tier_stats", None)
-    return take() if callable(take) else {}
+    stats: dict[str, TierStats] = take() if callable(take) else {}
+    return stats

@@ -26,7 +26,7 @@ class _Token:
 
     __slots__ = ("tier", "inner", "num_bytes", "released")
 
-    def __init__(self, tier: int, inner: Any, num_bytes: int) -> None:
+    def __init__(self, tier: int, inner: Any, num_bytes: int) -> None:  # inner: the tier's token
         self.tier = tier
         self.inner = inner
         self.num_bytes = num_bytes
@@ -235,7 +235,7 @@ class TieredOffloader:
         return f"TieredOffloader(host_budget_bytes={self.host_budget_bytes}, spill={self.spill!r})"
 
     # --- internals -------------------------------------------------------------------------
-    def _offloader(self, tier: int) -> Any:
+    def _offloader(self, tier: int) -> Offloader:
         return self.host if tier == _HOST else self.spill
 
     def _check_open(self) -> None:

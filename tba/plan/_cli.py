@@ -160,7 +160,7 @@ def _host_link(args: argparse.Namespace) -> tuple[HostLink | None, str | None]:
     return None, None
 
 
-def _build(args: argparse.Namespace) -> tuple[PlanReport, str]:
+def _build(args: argparse.Namespace) -> tuple[PlanReport, str | None]:
     shape, acc = _shape(args), _accounting(args)
     link, link_label = _host_link(args)
     drive, drive_label = _drive(args)
@@ -179,12 +179,16 @@ def _build(args: argparse.Namespace) -> tuple[PlanReport, str]:
     return report, label
 
 
+def _gbps(bytes_per_s: float | None) -> str:
+    return "unknown" if bytes_per_s is None else f"{bytes_per_s / 1e9:g}"
+
+
 def _list_presets() -> None:
     for name, shape in PRESETS.items():
         print(f"model {name:<14} {shape}")
     for name, drive in DRIVES.items():
         print(f"drive {name:<24} {drive.name}: {drive.endurance_bytes / 1e15:g} PBW, write "
-              f"{drive.sustained_write_bytes_per_s / 1e9:g} GB/s sustained, {drive.burst_write_bytes_per_s / 1e9:g} "
+              f"{_gbps(drive.sustained_write_bytes_per_s)} GB/s sustained, {_gbps(drive.burst_write_bytes_per_s)} "
               "GB/s burst")
     for name, link in HOST_LINKS.items():
         print(f"host  {name:<6} {link.name}: {link.bytes_per_s / 1e9:g} GB/s device-to-host")

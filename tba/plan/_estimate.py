@@ -162,10 +162,11 @@ def _available(offloader: Offloader, drive: Drive | None, drive_write: DriveWrit
         if host_link is None:
             return None, "host link unknown: give host_link (a PCIe generation, a rate or a measurement)"
         return host_link.bytes_per_s, f"host link {host_link.name}"
+    speed = drive.write_bytes_per_s(drive_write) if drive is not None else None
     if drive_write_bytes_per_s is not None:
         speed, what = drive_write_bytes_per_s, "given write speed"
-    elif drive is not None and drive.write_bytes_per_s(drive_write) is not None:
-        speed, what = drive.write_bytes_per_s(drive_write), f"{drive_write} write of {drive.name}"
+    elif drive is not None and speed is not None:
+        what = f"{drive_write} write of {drive.name}"
     else:
         return None, "drive write speed unknown"
     total, source = speed * num_drives, f"{num_drives} x {what}"
@@ -214,10 +215,11 @@ def plan(shape: ModelShape, batch_size: int, *, accounting: Accounting | None = 
     terms = activation_terms(shape, batch_size, acc)
     total = sum(t.total_bytes for t in terms)
     flops = model_flops(shape, batch_size)
-    if step_time_s is None:
-        step_time_s, source = flops / (peak_flops * mfu), f"{flops:.3g} FLOP / ({peak_flops:.3g} FLOP/s x MFU {mfu})"
-    else:
+    if step_time_s is not None:
         source = "given"
+    else:
+        assert peak_flops is not None  # one of the two is given (checked above)
+        step_time_s, source = flops / (peak_flops * mfu), f"{flops:.3g} FLOP / ({peak_flops:.3g} FLOP/s x MFU {mfu})"
     write_bytes = total * offload_fraction
     available, bandwidth_source = _available(offloader, drive, drive_write, num_drives, drive_write_bytes_per_s,
                                              host_link)
@@ -225,7 +227,10 @@ def plan(shape: ModelShape, batch_size: int, *, accounting: Accounting | None = 
     if shape.arch == "gpt":
         korth = shape.num_layers * korthikanti_layer_bytes(
             seq_len=shape.seq_len, batch_size=batch_size, hidden_size=shape.hidden_size, num_heads=shape.num_heads)
-    ssd = offloader == "ssd" and drive is not None
+    lifetime_years = None
+    if offloader == "ssd" and drive is not None:
+        lifetime_years = ssd_lifetime_years(write_bytes, step_time_s, drive, num_drives=num_drives,
+                                            write_amplification=write_amplification, duty_cycle=duty_cycle)
     return PlanReport(
         shape=shape, batch_size=batch_size, accounting=acc, terms=terms, activation_bytes=total, model_flops=flops,
         step_time_s=step_time_s, step_time_source=source, offload_fraction=offload_fraction,
@@ -235,8 +240,6 @@ def plan(shape: ModelShape, batch_size: int, *, accounting: Accounting | None = 
         offloader=offloader, drive=drive if offloader == "ssd" else None, drive_write=drive_write,
         num_drives=num_drives, host_link=host_link, write_amplification=write_amplification, duty_cycle=duty_cycle,
         available_write_bytes_per_s=available, bandwidth_source=bandwidth_source,
-        lifetime_years=ssd_lifetime_years(write_bytes, step_time_s, drive, num_drives=num_drives,
-                                          write_amplification=write_amplification, duty_cycle=duty_cycle)
-        if ssd else None,
+        lifetime_years=lifetime_years,
         korthikanti_bytes=korth,
     )

@@ -63,6 +63,7 @@ class Drive:
         """Rated bytes written over the drive's life."""
         if self.pbw is not None:
             return self.pbw * 1e15
+        assert self.dwpd is not None  # exactly one of the two (checked when made)
         return self.dwpd * self.capacity_bytes * 365 * self.warranty_years
 
     def write_bytes_per_s(self, which: DriveWrite = "sustained") -> float | None:

@@ -19,8 +19,8 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
-def _rate(bytes_per_s: float) -> str:
-    return f"{bytes_per_s / 1e9:.2f} GB/s"
+def _rate(bytes_per_s: float | None) -> str:
+    return "unknown" if bytes_per_s is None else f"{bytes_per_s / 1e9:.2f} GB/s"
 
 
 def _lifetime(years: float) -> str:
@@ -92,7 +92,7 @@ def format_report(report: PlanReport, *, show_terms: bool = True, target_label: 
                      f"(--drive-write {other} for the other)")
     if r.offloader == "host":
         lines.append(f"Host memory               {_size(r.write_bytes_per_step)} pinned per micro-batch in flight")
-    if r.lifetime_years is not None:
+    if r.lifetime_years is not None and r.drive is not None:
         lines.append(f"SSD lifetime              {_lifetime(r.lifetime_years)} on {r.num_drives} x {r.drive.name} "
                      f"({r.drive.endurance_bytes / 1e15:g} PBW each), write amplification {r.write_amplification:g}, "
                      f"duty cycle {r.duty_cycle:g}")

@@ -23,9 +23,13 @@ def _llama_ffn(hidden_size: int) -> int:
     return -(-(8 * hidden_size // 3) // 256) * 256
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, init=False)
 class ModelShape:
     """Shape of a transformer; defaults follow the usual conventions.
+
+    The optional arguments (``None``: the default) are resolved when the shape is made, so
+    every attribute holds a number (``num_decoder_layers`` and ``decoder_seq_len`` are 0
+    outside T5).
 
     Attributes:
         arch: ``"gpt"`` (pre-LN decoder, LM head), ``"bert"`` (post-LN encoder, MLM head),
@@ -51,50 +55,57 @@ class ModelShape:
     num_heads: int
     seq_len: int
     vocab_size: int
-    ffn_size: int | None = None
-    head_dim: int | None = None
-    num_kv_heads: int | None = None
-    num_decoder_layers: int | None = None
-    decoder_seq_len: int | None = None
-    activation: Activation | None = None
+    ffn_size: int
+    head_dim: int
+    num_kv_heads: int
+    num_decoder_layers: int
+    decoder_seq_len: int
+    activation: Activation
 
-    def __post_init__(self) -> None:
+    def __init__(self, *, arch: Arch, num_layers: int, hidden_size: int, num_heads: int, seq_len: int,
+                 vocab_size: int, ffn_size: int | None = None, head_dim: int | None = None,
+                 num_kv_heads: int | None = None, num_decoder_layers: int | None = None,
+                 decoder_seq_len: int | None = None, activation: Activation | None = None) -> None:
         problems = []
-        if self.arch not in _ARCHS:
-            problems.append(f"arch must be one of {', '.join(map(repr, _ARCHS))}, got {self.arch!r}")
-        for name in ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                problems.append(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.head_dim is None and not problems and self.hidden_size % self.num_heads:
-            problems.append(f"hidden_size {self.hidden_size} is not a multiple of num_heads "
-                            f"{self.num_heads}: pass head_dim")
-        if self.activation not in (None, *_ACTIVATIONS):
-            problems.append(f"activation must be one of {', '.join(map(repr, _ACTIVATIONS))}, got {self.activation!r}")
-        elif self.activation is not None and (self.activation == "swiglu") != (self.arch == "llama"):
-            problems.append(f"activation {self.activation!r} does not fit arch {self.arch!r}: llama blocks use "
+        if arch not in _ARCHS:
+            problems.append(f"arch must be one of {', '.join(map(repr, _ARCHS))}, got {arch!r}")
+        required = {"num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
+                    "seq_len": seq_len, "vocab_size": vocab_size}
+        for name, value in required.items():
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be a positive int, got {value!r}")
+        if head_dim is None and not problems and hidden_size % num_heads:
+            problems.append(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}: pass head_dim")
+        if activation not in (None, *_ACTIVATIONS):
+            problems.append(f"activation must be one of {', '.join(map(repr, _ACTIVATIONS))}, got {activation!r}")
+        elif activation is not None and (activation == "swiglu") != (arch == "llama"):
+            problems.append(f"activation {activation!r} does not fit arch {arch!r}: llama blocks use "
                             "'swiglu', the others 'gelu', 'gelu_unfused' or 'relu'")
-        if self.arch != "t5" and (self.num_decoder_layers or self.decoder_seq_len):
+        if arch != "t5" and (num_decoder_layers or decoder_seq_len):
             problems.append("num_decoder_layers/decoder_seq_len apply to arch='t5' only")
-        if self.num_kv_heads is not None:
-            if self.arch != "llama":
+        if num_kv_heads is not None:
+            if arch != "llama":
                 problems.append("num_kv_heads (grouped-query attention) applies to arch='llama' only")
-            elif not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 1 or (
-                    isinstance(self.num_heads, int) and self.num_heads % self.num_kv_heads):
-                problems.append(f"num_kv_heads must be a positive int dividing num_heads {self.num_heads}, "
-                                f"got {self.num_kv_heads!r}")
+            elif not isinstance(num_kv_heads, int) or num_kv_heads < 1 or (
+                    isinstance(num_heads, int) and num_heads % num_kv_heads):
+                problems.append(f"num_kv_heads must be a positive int dividing num_heads {num_heads}, "
+                                f"got {num_kv_heads!r}")
         if problems:
             raise problems_error("ModelShape", problems)
-        llama = self.arch == "llama"
-        resolved = {
-            "ffn_size": self.ffn_size or (_llama_ffn(self.hidden_size) if llama else 4 * self.hidden_size),
-            "head_dim": self.head_dim or self.hidden_size // self.num_heads,
-            "num_kv_heads": (self.num_kv_heads or self.num_heads) if llama else self.num_heads,
-            "num_decoder_layers": (self.num_decoder_layers or self.num_layers) if self.arch == "t5" else 0,
-            "decoder_seq_len": (self.decoder_seq_len or self.seq_len) if self.arch == "t5" else 0,
-            "activation": self.activation or {"t5": "relu", "llama": "swiglu"}.get(self.arch, "gelu"),
+        llama, t5 = arch == "llama", arch == "t5"
+        default_activation: Activation = "relu" if t5 else "swiglu" if llama else "gelu"
+        resolved: dict[str, object] = {
+            "arch": arch, "num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
+            "seq_len": seq_len, "vocab_size": vocab_size,
+            "ffn_size": ffn_size or (_llama_ffn(hidden_size) if llama else 4 * hidden_size),
+            "head_dim": head_dim or hidden_size // num_heads,
+            "num_kv_heads": (num_kv_heads or num_heads) if llama else num_heads,
+            "num_decoder_layers": (num_decoder_layers or num_layers) if t5 else 0,
+            "decoder_seq_len": (decoder_seq_len or seq_len) if t5 else 0,
+            "activation": activation or default_activation,
         }
-        for name, value in resolved.items():
-            object.__setattr__(self, name, value)
+        for name, resolved_value in resolved.items():
+            object.__setattr__(self, name, resolved_value)
 
     @property
     def attention_width(self) -> int:

@@ -36,7 +36,7 @@ _CPU_MODEL = dict(layers=6, hidden=128, heads=4, seq_len=128, vocab=1024)
 _QUICK_MODEL = dict(layers=2, hidden=64, heads=2, seq_len=32, vocab=128)
 
 
-def _cuda_model(gpu_memory_bytes: int) -> dict[str, int]:
+def _cuda_model(gpu_memory_bytes: int) -> dict[str, int | str]:
     """A GPT sized to the GPU: bf16 weights+grads+AdamW take ~1/6 of memory, activations the rest."""
     gib = gpu_memory_bytes / 2**30
     if gib >= 70:
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
     def write(final: bool) -> dict[str, Any]:
         points = _summary.aggregate(samples)
         summary = _summary.summarize(samples, points, args.budget_bytes)
-        report = {"environment": env, "config": config, "rows": points, "samples": samples, "summary": summary,
+        report: dict[str, Any] = {"environment": env, "config": config, "rows": points, "samples": samples, "summary": summary,
                   "total_wall_s": time.perf_counter() - t_start, "complete": final and interrupted is None}
         _report.write_csv(out / "rok_curve.csv", points, _report.CSV_COLUMNS)
         _report.write_csv(out / "rok_samples.csv", samples, _report.SAMPLE_COLUMNS)
@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None, *, prog: str = "tba rok") -> int:
             load = _load_avg()
             if strategy == "budget":
                 spec["activation_budget_bytes"] = _budget_for(sample, samples, args.budget_fraction)
+            result: dict[str, Any]  # the point's row
             if interrupted is not None:
                 result = {"status": f"skipped: {interrupted}"}
             elif args.time_budget_s is not None and time.perf_counter() - t_start > args.time_budget_s:

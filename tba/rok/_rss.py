@@ -83,7 +83,9 @@ class RSS:
 
     def peak(self) -> int:
         if self.can_reset:
-            return self._status_kib("VmHWM") * 1024
+            kib = self._status_kib("VmHWM")
+            assert kib is not None, "tba bug: can_reset means /proc/self/status has VmHWM"
+            return kib * 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 

@@ -41,7 +41,9 @@ class Runner:
     def run(self, kind: str, spec: dict[str, Any], timeout_s: float, log_name: str) -> dict[str, Any]:
         spec = dict(spec, log_path=str(self.log_dir / log_name))
         recv, send = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(target=_worker.child_main, args=(send, kind, spec), daemon=True)
+        # typeshed's BaseContext (what get_context(str) returns) lacks Process; every context has it.
+        proc = self.ctx.Process(  # type: ignore[attr-defined]
+            target=_worker.child_main, args=(send, kind, spec), daemon=True)
         proc.start()
         send.close()
         done = False

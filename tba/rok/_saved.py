@@ -139,8 +139,8 @@ class SavedActivationMeter:
                 track(x, kind)
                 return x.detach() if x.requires_grad else x  # no output -> grad_fn -> output cycle
 
-            def unpack(x: Any) -> Any:
-                return x
+            def unpack(packed: Any) -> Any:
+                return packed
         else:
             inner_pack: Callable[[torch.Tensor], Any] = below[0]
             inner_unpack: Callable[[Any], Any] = below[1]

@@ -43,7 +43,7 @@ def interleaved(strategies: list[str] | tuple[str, ...], batch_sizes: list[int],
     if len(set(strategies)) != len(strategies) or len(set(batch_sizes)) != len(batch_sizes):
         raise ValueError(f"strategies {list(strategies)} and batch sizes {batch_sizes} must not repeat")
     n = len(strategies)
-    out = []
+    out: list[Sample] = []
     for r in range(repeats):
         order = [strategies[(i + r) % n] for i in range(n)]
         out.extend(Sample(r, b, s) for b in batch_sizes for s in order)

@@ -107,7 +107,7 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
 
     ``budget_bytes`` None: keep's peak at keep's median batch (the largest of its samples).
     """
-    ok = {}
+    ok: dict[str, dict[int, dict[str, Any]]] = {}  # strategy -> batch size -> point
     for p in points:
         if p["status"] == "ok":
             ok.setdefault(p["strategy"], {})[p["batch_size"]] = p
@@ -117,6 +117,7 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
     warnings: list[str] = [f"{p['strategy']} b={p['batch_size']}: {p['decision_unsettled']}; its samples may time "
                            f"the policy's own measurements" for p in points if p.get("decision_unsettled")]
 
+    b: int | None  # a batch size; below, None where no batch fits the budget
     equal_batch: dict[str, dict[str, Any]] = {}
     for s, pts in ok.items():
         if s == "keep":

@@ -6,8 +6,10 @@ from typing import Any
 
 __all__ = ["MAX_EXTRA_WARMUP", "Warmup", "settled_alike", "tail_start"]
 
-# Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds.
-MAX_EXTRA_WARMUP = 40
+# Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds:
+# a closed-loop check measures at most 48 steps after the profile
+# (tba.settings.CLOSED_LOOP_MAX_PROBE_STEPS), and a few more settle it.
+MAX_EXTRA_WARMUP = 56
 
 
 def tail_start(cache: Any) -> int | None:
@@ -27,9 +29,9 @@ class Warmup:
     experiments, not its decision. So a deciding cache (the adaptive and budget strategies,
     and the fixed ones with ``--adaptive``) warms up until a decision exists and two
     consecutive steps ran it alike: the same boundary, and both offloaded something or both
-    nothing (the closed loop's keep steps offload nothing and alternate with offloading
-    steps, so its measuring never looks settled; the bytes themselves vary from step to
-    step, as stores still queued when backward needs their tensor are cancelled). Up to
+    nothing (the bytes themselves vary from step to step, as stores still queued when
+    backward needs their tensor are cancelled), and the closed loop, whose runs of keep steps
+    look alike, reports no measurement under way (``settled_at_step``). Up to
     ``MAX_EXTRA_WARMUP`` steps more; a point that did not settle says so
     (``decision_unsettled``). Tested in
     tests/benchmarks/test_rok_curve.py::test_warmup_waits_for_the_policy_to_settle.
@@ -56,7 +58,11 @@ class Warmup:
         if not self.policy:
             return
         now = (tail_start(self.cache), self.cache.stats().offloaded_bytes > 0)
-        settled = settled_alike(self.previous, now)
+        decision = getattr(self.cache, "adaptive_decision", None)
+        # The closed loop says when it measures (its runs of keep steps look alike).
+        measuring = (getattr(decision, "max_probe_steps", None) is not None
+                     and getattr(decision, "settled_at_step", None) is None)
+        settled = settled_alike(self.previous, now) and not measuring
         self.previous = now
         if completed == self.steps and not settled:
             if self.steps < self.limit:

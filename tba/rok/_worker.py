@@ -46,7 +46,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_model(model_spec: dict[str, int], device: str, dtype: str):
+def build_model(model_spec: dict[str, Any], device: str, dtype: str):  # spec: JSON from the parent
     import torch
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -56,11 +56,13 @@ def build_model(model_spec: dict[str, int], device: str, dtype: str):
         n_embd=model_spec["hidden"], n_layer=model_spec["layers"], n_head=model_spec["heads"],
         n_positions=model_spec["seq_len"], vocab_size=model_spec["vocab"], activation_function="gelu",
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False,
-        attn_implementation=model_spec.get("attn_implementation", "eager"))
+        # transformers' GPT2Config signature omits PretrainedConfig's keyword arguments.
+        attn_implementation=model_spec.get("attn_implementation", "eager"))  # type: ignore[call-arg]
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the device: a GPU-sized model builds in seconds
         model = GPT2LMHeadModel(cfg)
-    return model.to(dtype=getattr(torch, dtype)).train()
+    # transformers types ``PreTrainedModel.to`` through a wrapper mypy cannot call.
+    return model.to(dtype=getattr(torch, dtype)).train()  # type: ignore[call-arg]
 
 
 def enable_recompute(model, context_fn=None) -> None:
@@ -93,7 +95,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
         return {"status": f"failed: {type(e).__name__}: {_one_line(e)}", "traceback": tb}
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
+def _one_line(e: object, limit: int = 300) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -209,7 +211,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         i = 0
         while i < warmup.steps:
-            with meter.measuring() if count_in_warmup and i == warmup.steps - 1 else contextlib.nullcontext():
+            with meter.measuring() if meter is not None and count_in_warmup and i == warmup.steps - 1 else contextlib.nullcontext():
                 step()
             i += 1
             warmup.after_step(i)

@@ -16,6 +16,9 @@ For extenders (a new offloader, a scheduler integration) and tba's own tests:
   (stores nothing) are what a parity check must catch.
 - :func:`initialise_vector_math` makes plain PyTorch on the CPU repeat itself (Note [First VML
   call race]) before any bit-exact comparison of your own.
+- :func:`drive_closed_loop` gives a cache's closed loop scripted time: a
+  :class:`FakeStepClock` that moves only when the test moves it, the memory free for keep
+  steps, the loop's periods.
 - :func:`probe` is a read-only view of a cache's insides (entries and their states, the
   running step's records, counters, hooks held); tba's own tests read the cache through it.
 
@@ -40,6 +43,7 @@ from tba.testing._parity import check_parity
 from tba.testing._report import Mismatch, ParityReport
 from tba.testing._wrapping import OffloaderWrapper
 from tba.testing._probe import CacheProbe, probe
+from tba.testing._step_timing import FakeStepClock, drive_closed_loop
 
 __all__ = [
     "check_parity",
@@ -54,4 +58,6 @@ __all__ = [
     "initialise_vector_math",
     "probe",
     "CacheProbe",
+    "drive_closed_loop",
+    "FakeStepClock",
 ]

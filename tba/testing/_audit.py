@@ -23,11 +23,11 @@ path as without the audit.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from tba.offloaders.base import Offloader
+from tba.offloaders.base import Offloader, StoresNow
 from tba.settings import DIRECT_IO_ALIGNMENT
 from tba.testing._wrapping import OffloaderWrapper
 
@@ -74,7 +74,7 @@ class AuditedOffloader(OffloaderWrapper):
     def _store_now(self, storage: torch.UntypedStorage) -> Any:
         source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
         scratch = source.clone()
-        token = self.inner.store_now(scratch.untyped_storage())  # type: ignore[attr-defined]
+        token = cast(StoresNow, self.inner).store_now(scratch.untyped_storage())
         if token is not None:
             scratch.bitwise_not_()
             with self._lock:

@@ -8,11 +8,11 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from tba.offloaders.base import Offloader
+from tba.offloaders.base import Offloader, StoresNow
 from tba.testing._wrapping import OffloaderWrapper
 
 __all__ = ["ChaosOffloader"]
@@ -120,7 +120,7 @@ class ChaosOffloader(OffloaderWrapper):
             to_worker = self._rng.random() < self.worker_fraction
         if to_worker:
             return None  # the cache stores it with ``store`` on a worker: delayed there
-        token = self.inner.store_now(storage)  # type: ignore[attr-defined]
+        token = cast(StoresNow, self.inner).store_now(storage)
         return None if token is None else _Inline(token)
 
     def load(self, token: Any, dst: torch.Tensor) -> None:

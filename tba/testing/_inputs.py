@@ -51,7 +51,8 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         )
     if isinstance(output, torch.Tensor):
         return output
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    loss: torch.Tensor | None = (
+        output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None))
     if loss is None:
         raise ValueError(
             f"tba.testing.check_parity: the model returned a {type(output).__name__} with no loss "

@@ -7,7 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -272,7 +272,9 @@ class _Run:
         return _first(step, pairs), len(pairs)
 
 
-def _first(step: int, pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]]) -> Mismatch | None:
+def _first(
+    step: int, pairs: Sequence[tuple[str, torch.Tensor | None, torch.Tensor | None]]
+) -> Mismatch | None:
     for name, expected, got in pairs:
         mismatch = compare(step, name, expected, got)
         if mismatch is not None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from tba.cache.closed_loop import LoopEvent
     from tba.cache.stats import CacheStats
     from tba.cache.tensor_cache import TensorCache
 
@@ -49,7 +50,7 @@ class ScopeView:
 class RecordView:
     """One forward pass of the running step (Note [Step boundaries])."""
 
-    key: tuple
+    key: tuple[int, int]
     scopes: tuple[ScopeView, ...]
     forward_done: bool
     backward_started: bool
@@ -190,6 +191,20 @@ class CacheProbe:
         """(step number, its stats, the boundary it ran at) of the last 1000 steps."""
         with self._cache._engine.lock:
             return list(self._cache._steps.history)
+
+    @property
+    def has_closed_loop(self) -> bool:
+        """Whether the cache checks its adaptive boundary against measured step time (Note
+        [Closed loop]): ``adaptive`` with ``max_step_overhead``, no budget, an offloader."""
+        return self._cache._steps.loop is not None
+
+    @property
+    def loop_events(self) -> list[LoopEvent]:
+        """The closed loop's decisions (measure, pass, fail, settle, suspect, recheck), oldest
+        first, the last 256; empty without a closed loop."""
+        with self._cache._engine.lock:
+            loop = self._cache._steps.loop
+            return list(loop.events) if loop is not None else []
 
     @property
     def forward(self) -> ForwardView:

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from tba.offloaders.base import Offloader
+from tba.offloaders.base import Offloader, StoresNow
 
 __all__ = ["OffloaderWrapper"]
 
@@ -54,7 +54,7 @@ class OffloaderWrapper:
         return self.inner.store(src)
 
     def _store_now(self, storage: torch.UntypedStorage) -> Any:
-        return self.inner.store_now(storage)  # type: ignore[attr-defined]
+        return cast(StoresNow, self.inner).store_now(storage)  # set only when inner has one
 
     def load(self, token: Any, dst: torch.Tensor) -> None:
         self.inner.load(token, dst)

@@ -53,3 +53,39 @@ def test_adaptive_table_smoke(tmp_path: Path) -> None:
         assert all(len(r["step_times_s"]) == 4 for r in rows.values())
     assert {"device", "torch", "tba", "command"} <= result["environment"].keys()
     assert "x keep" in proc.stdout and "1 torch thread(s)" in proc.stdout
+
+
+def test_adaptive_long_smoke(tmp_path: Path) -> None:
+    """``--long`` steps plain and tba twins alternately, with and without injected noise, and
+    writes the summary, per-window CSV, timeline PNG and JSON; losses stay bit-identical."""
+    out, prefix = tmp_path / "long.json", tmp_path / "results" / "long"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "adaptive_offload.py"), "--long", "--layers",
+         "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "128", "--table-batch",
+         "2", "--long-steps", "6", "--window", "4", "--threads", "1", "--noise",
+         "none,busy,stalls", "--min-offload-bytes", "0", "--prefix", str(prefix), "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["noise"], r["threads"]) for r in result["results"]] == [
+        ("none", 1), ("busy", 1), ("stalls", 1)]
+    for run in result["results"]:
+        assert run["bit_identical"] is True and len(run["steps"]) == 6
+        assert run["ratio"] > 0 and 0 <= run["offloaded_fraction"] <= 1
+        assert all(s["managed_bytes"] > 0 for s in run["steps"])
+        # The default profile_step, or the step after it when the profiled step wrote nothing
+        # (its stores all cancelled: a step shorter than a store, as under a stall).
+        assert run["profiled_at"] in ([2], [3]), (run["noise"], run["profiled_at"])
+    assert isinstance(result["results"][1]["noise_intervals"], list)  # the bursts, if any began
+    assert result["environment"]["command"].startswith("python benchmarks/adaptive_offload.py")
+    csv_lines = (tmp_path / "results" / "long.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("# device=") and csv_lines[2].startswith("noise,threads,")
+    assert len(csv_lines) == 3 + 3 * 2  # two windows of 4 and 2 steps per run
+    summary = (tmp_path / "results" / "long.txt").read_text()
+    assert summary.count("bit-identical at every step: True") == 3
+    # Committed figures name no path of this machine (the --out and --prefix given here).
+    assert str(tmp_path) not in summary and str(tmp_path) not in "\n".join(csv_lines)
+    assert "--out long.json" in summary
+    assert (tmp_path / "results" / "long.png").read_bytes()[:4] == b"\x89PNG"

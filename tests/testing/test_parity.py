@@ -77,9 +77,14 @@ class _SavedButUnused(torch.autograd.Function):
 
 
 class _NeverReads(torch.nn.Module):
+    """The saved tensor is saved by the model itself, outside its one block (``unused``), where
+    no prefetch reads it back (a model without submodules is one block, and that block's
+    backward would prefetch it whenever its store finished first: a flaky premise)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.bias = torch.nn.Parameter(torch.zeros(64))
+        self.unused = torch.nn.Linear(1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _SavedButUnused.apply(x + self.bias).sum()
@@ -257,9 +262,10 @@ def test_docstring_examples_run() -> None:
     import doctest
 
     import tba.testing
-    from tba.testing import _broken, _chaos, _determinism, _fakes, _parity, _wrapping
+    from tba.testing import _broken, _chaos, _determinism, _fakes, _parity, _step_timing, _wrapping
 
-    for module in (tba.testing, _parity, _chaos, _determinism, _wrapping, _fakes, _broken):
+    for module in (tba.testing, _parity, _chaos, _determinism, _wrapping, _fakes, _broken,
+                   _step_timing):
         result = doctest.testmod(module, raise_on_error=False, verbose=False, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
 

@@ -11,11 +11,16 @@ naming the broken invariant in the training step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tba.cache.engine.entries import Entry
 from tba.cache.engine.states import HOLDS, State
 from tba.cache.stats import CacheStats
+
+if TYPE_CHECKING:
+    import threading
+
+    from tba.cache.engine.table import EntryTable
 
 __all__ = ["EngineAccounting"]
 
@@ -25,8 +30,8 @@ S = State
 class EngineAccounting:
     """Step counters and invariants of ``Engine``."""
 
-    lock: Any
-    table: Any
+    lock: threading.RLock
+    table: EntryTable
     orphans: set[Entry]
     step: CacheStats
     resident_bytes: int

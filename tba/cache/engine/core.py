@@ -20,13 +20,13 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tba.cache import interrupts
 from tba.cache.engine.accounting import EngineAccounting
-from tba.cache.engine.entries import Entry, Handle, HandleRef, Transfer
+from tba.cache.engine.entries import Entry, Geometry, Handle, HandleRef, Transfer
 from tba.cache.engine.states import DROP_KEPT_ROW, HOLDS_DATA, KEEP_ROW, ROWS, Event, State
 from tba.cache.engine.table import FAMILY_ATTR, STAMP_ATTR, next_stamp
 from tba.cache.engine.table import EntryTable
@@ -39,6 +39,9 @@ from tba.cache.trace import TraceRecorder
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
 from tba.settings import INLINE_MAX_BYTES, WAKE_BYTES
+
+if TYPE_CHECKING:
+    from tba.cache.scopes import Record, Scope
 
 __all__ = ["Engine"]
 
@@ -104,7 +107,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         # HandleRefs of dead handles: appended by their weakref callback, drained under the lock.
         self.released: collections.deque[HandleRef] = collections.deque()
         self._queue_release = self.released.append
-        self.on_records_dead: Callable[[list[Any]], None] = lambda records: None
+        self.on_records_dead: Callable[[list[Record]], None] = lambda records: None
         self._store_q: collections.deque[Entry] = collections.deque()
         self._load_q: collections.deque[Entry] = collections.deque()
         self._threads: list[threading.Thread] = []
@@ -162,8 +165,8 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         tensor: torch.Tensor,
         storage: torch.UntypedStorage,
         root: torch.Tensor,
-        scope: Any,
-        record: Any,
+        scope: Scope,
+        record: Record,
         offload: bool,
     ) -> tuple[Handle, Entry | None]:
         """A handle for ``tensor`` (a plain strided tensor on ``storage``, ``root`` the base of
@@ -190,7 +193,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             while True:
                 entry, other_family = table.find(stamp, family, version)
                 if entry is not None:
-                    geometry: tuple | None = (
+                    geometry: Geometry | None = (
                         tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
                     )
                     if scope.keep and entry.xfer is not None:
@@ -302,6 +305,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             elif state is not S.LOADING:
                 raise AssertionError(f"tba bug: unpack of a {state} entry")
             done = xfer.load_done
+            assert done is not None  # set by _queue_load
         self._wait_for_load(entry, done)
         with self.lock:
             if xfer.error is not None:
@@ -344,7 +348,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
 
     def _drain_locked(self) -> None:
         released = self.released
-        dead: list[Any] = []
+        dead: list[Record] = []
         while released:
             ref = released.popleft()
             entry = ref.entry

@@ -5,13 +5,20 @@ tensor)."""
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tba.cache.engine.states import State
 
-__all__ = ["Entry", "Transfer", "Handle", "HandleRef"]
+if TYPE_CHECKING:
+    from tba.cache.profiler_ranges import LoadDone
+    from tba.cache.scopes import Record, Scope
+
+__all__ = ["Entry", "Transfer", "Handle", "HandleRef", "Geometry"]
+
+#: A saved tensor's (dtype, size, stride, storage offset): enough to view it on its storage.
+Geometry = tuple[torch.dtype, torch.Size, tuple[int, ...], int | torch.SymInt]
 
 
 class Transfer:
@@ -27,7 +34,7 @@ class Transfer:
         self.token: Any = None
         self.event = event  # producer token (event and stream) recorded at pack time
         self.load_event: Any = None
-        self.load_done: Any = None  # a LoadDone while a worker loads it
+        self.load_done: LoadDone | None = None  # while a worker loads it
         self.error: BaseException | None = None  # a failed load, for the unpack that waits
         self.inline = False  # stored on the training thread: loaded where unpacked
         # The stored bytes' address modulo the page: host reload buffers get the same (Note
@@ -55,7 +62,7 @@ class Entry:
         tensor: torch.Tensor,
         data: torch.UntypedStorage,
         nbytes: int,
-        scope: Any,
+        scope: Scope,
     ) -> None:
         self.stamp = stamp
         self.family = family  # stamp of the family's root tensor (Note [Version-counter families])
@@ -65,7 +72,7 @@ class Entry:
         # the entry holds its original storage it is also what unpack hands back to the first
         # saver (no new view).
         self.alias: torch.Tensor | None = tensor.detach()
-        self.geometry: tuple | None = None  # the alias's (dtype, size, stride, offset), once released
+        self.geometry: Geometry | None = None  # the alias's (dtype, size, stride, offset), once released
         self.nbytes = nbytes
         self.data: torch.UntypedStorage | None = data  # the whole storage, while in memory
         self.state: State | None = None  # None until the engine added it
@@ -73,7 +80,7 @@ class Entry:
         self.scope = scope  # the scope that saved it first, for error messages and ranges
         self.xfer: Transfer | None = None  # set when the entry is offloaded
 
-    def remember_geometry(self) -> tuple:
+    def remember_geometry(self) -> Geometry:
         """The first saver's (dtype, size, stride, offset), read from the alias (kept after the
         alias lets go of the storage)."""
         geometry = self.geometry
@@ -97,17 +104,17 @@ class Handle:
 
     __slots__ = ("entry", "geometry", "scope", "__weakref__")
 
-    def __init__(self, entry: Entry, geometry: tuple | None, scope: Any) -> None:
+    def __init__(self, entry: Entry, geometry: Geometry | None, scope: Scope) -> None:
         self.entry = entry
         self.geometry = geometry
         self.scope = scope
 
 
-class HandleRef(weakref.ref):
+class HandleRef(weakref.ref[Handle]):
     """A weak reference to a ``Handle`` whose callback (``deque.append``: C code, no Python
     frame) queues it for release when the handle dies; the entry keeps it alive."""
 
     __slots__ = ("entry", "record")
 
     entry: Entry
-    record: Any
+    record: Record

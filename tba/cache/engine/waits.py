@@ -7,15 +7,25 @@ waited for when the workers are dead, the engine is closed, or no transfer finis
 
 from __future__ import annotations
 
+import collections
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tba.cache.engine.entries import Entry, Transfer
+from tba.cache.engine.entries import Entry, HandleRef, Transfer
 from tba.cache.engine.states import State
 from tba.errors import TBAError
 from tba.settings import POLL_S
+
+if TYPE_CHECKING:
+    import threading
+
+    from tba.cache.engine.table import EntryTable
+    from tba.cache.profiler_ranges import LoadDone
+    from tba.cache.stats import CacheStats
+    from tba.cache.trace import TraceRecorder
+    from tba.offloaders.base import Offloader
 
 __all__ = ["EngineWaits"]
 
@@ -26,25 +36,26 @@ S = State
 class EngineWaits:
     """The waiting and error-raising methods of ``Engine``."""
 
-    lock: Any
-    cond: Any
-    _store_ready: Any
+    lock: threading.RLock
+    cond: threading.Condition
+    _store_ready: threading.Condition
     _num_waiting: int
     _max_inflight_bytes: int
     _keep_on_error: bool
     _warned_load_retry: bool
     _unwoken_bytes: int
     _reserve_bytes: int | None
-    _load_q: Any
+    _load_q: collections.deque[Entry]
     _progress: int
-    _start_workers: Any
-    _load_ready: Any
-    _drain_locked: Any
-    offloader: Any
-    trace: Any
-    step: Any
-    table: Any
+    _start_workers: Callable[[], None]
+    _load_ready: threading.Condition
+    _drain_locked: Callable[[], None]
+    offloader: Offloader | None
+    trace: TraceRecorder
+    step: CacheStats
+    table: EntryTable
     orphans: set[Entry]
+    released: collections.deque[HandleRef]
     inflight_bytes: int
     closed: bool
     timeout_s: float
@@ -69,7 +80,7 @@ class EngineWaits:
         if self.error is not None:
             self.raise_pending()
 
-    def _wait_for_load(self, entry: Entry, done: Any) -> None:
+    def _wait_for_load(self, entry: Entry, done: LoadDone) -> None:
         """Wait (no lock held) until a worker finished loading ``entry``; bounded."""
         start = time.perf_counter()
         progress, since = self._progress, time.monotonic()

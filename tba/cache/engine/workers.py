@@ -6,11 +6,13 @@ queues and state machine; every state change goes through ``Engine._apply``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +23,12 @@ from tba.cache.profiler_ranges import transfer_range
 from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
 from tba.settings import DIRECT_IO_ALIGNMENT
+
+if TYPE_CHECKING:
+    from tba.cache.stats import CacheStats
+    from tba.cache.streams import StreamLayer
+    from tba.cache.trace import TraceRecorder
+    from tba.offloaders.base import Offloader
 
 __all__ = ["TransferWorkers"]
 
@@ -61,7 +69,7 @@ E, S = Event, State
 
 
 
-def _offloader_error(offloader: Any, what: str, nbytes: int, exc: BaseException) -> BaseException:
+def _offloader_error(offloader: Offloader, what: str, nbytes: int, exc: BaseException) -> BaseException:
     """``exc`` as the ``OffloadIOError`` raised in the training step."""
     if isinstance(exc, OffloadIOError):
         return exc
@@ -77,12 +85,12 @@ def _offloader_error(offloader: Any, what: str, nbytes: int, exc: BaseException)
 class TransferWorkers:
     """Transfer-running methods of ``Engine`` (a mixin: state lives in ``Engine``)."""
 
-    lock: Any
-    cond: Any
-    _store_ready: Any
-    _load_ready: Any
-    _store_q: Any
-    _load_q: Any
+    lock: threading.RLock
+    cond: threading.Condition
+    _store_ready: threading.Condition
+    _load_ready: threading.Condition
+    _store_q: collections.deque[Entry]
+    _load_q: collections.deque[Entry]
     _threads: list[threading.Thread]
     _num_threads: dict[str, int]
     _stopping: bool
@@ -91,19 +99,22 @@ class TransferWorkers:
     timeout_s: float
     _warned_keep: bool
     _warned_resized: bool
+    # An Offloader: the workers run only with one (the Engine's is None for offloader="none",
+    # so a precise type would need a None check per transfer here).
     offloader: Any
-    streams: Any
-    trace: Any
-    step: Any
+    streams: StreamLayer
+    trace: TraceRecorder
+    step: CacheStats
+    # ``offloader.store_now`` (returns a token or None), or None: the inline path checks first.
     _store_now: Any
     error: BaseException | None
     dead: TBAError | None
     raised_this_step: bool
     orphans: set[Entry]
-    _apply: Any
-    _notify_done: Any
-    _notify_everyone: Any
-    _release_token: Any
+    _apply: Callable[[Entry, Event], State]
+    _notify_done: Callable[[], None]
+    _notify_everyone: Callable[[], None]
+    _release_token: Callable[[Transfer], None]
 
     # ----------------------------------------------------------------- threads
     def _start_workers(self) -> None:
@@ -133,7 +144,7 @@ class TransferWorkers:
                 )
         self._threads = []
 
-    def _run_worker(self, target: Any) -> None:
+    def _run_worker(self, target: Callable[[], None]) -> None:
         """Note [Dead workers]: an exception escaping a worker loop is a tba bug (offloader
         failures are caught and accounted inside it). The thread would die silently, and the
         training thread would then wait for room or for a load; instead every later hook
@@ -193,6 +204,9 @@ class TransferWorkers:
             release_alias(alias)
 
     def _store_worker(self) -> None:
+        entry: Entry | None  # None between jobs: Note [Workers hold nothing]
+        storage: torch.UntypedStorage | None
+        xfer: Transfer | None
         while True:
             with self.lock:
                 while not self._stopping and (not self._store_q or self._load_q):
@@ -220,9 +234,9 @@ class TransferWorkers:
             self._run_store(entry, storage, xfer)
             # Note [Workers hold nothing]: a finished job's locals would keep the entry, its
             # scope and the storage alive while the worker idles.
-            entry = storage = xfer = None  # type: ignore[assignment]
+            entry = storage = xfer = None
 
-    def _run_store(self, entry: Entry, storage: Any, xfer: Transfer) -> None:
+    def _run_store(self, entry: Entry, storage: torch.UntypedStorage, xfer: Transfer) -> None:
         """On a store worker, no lock held, the entry STORING: copy ``storage`` out."""
         start = time.perf_counter()
         src = storage_bytes(storage)
@@ -331,6 +345,8 @@ class TransferWorkers:
 
     # ----------------------------------------------------------------- loads
     def _load_worker(self) -> None:
+        entry: Entry | None  # None between jobs: Note [Workers hold nothing]
+        xfer: Transfer | None
         while True:
             with self.lock:
                 while not self._stopping and not self._load_q:

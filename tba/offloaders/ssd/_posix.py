@@ -40,7 +40,7 @@ class _Chunk:
     request: IORequest
     piece: Piece
     staging: Staging | None = None
-    future: Future | None = None
+    future: Future[None] | None = None
     inline: bool = False  # ran on the calling thread
     cpu_s: float = 0.0  # CPU time of the transfer on an I/O thread
 
@@ -72,9 +72,11 @@ class PosixEngine:
         self._pool = StagingPool(chunk_bytes, num_staging_buffers)
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        # Indirection points for fault-injection tests.
-        self._pwrite: Callable[[int, object, int], int] = os.pwrite
-        self._preadv: Callable[[int, list, int], int] = os.preadv
+        # Indirection points for fault-injection tests. os.pwrite/os.preadv take any buffer;
+        # typeshed makes a numpy array one only from Python 3.12 (ndarray.__buffer__), and the
+        # type check targets 3.10, hence the ignores.
+        self._pwrite: Callable[[int, np.ndarray, int], int] = os.pwrite  # type: ignore[assignment]
+        self._preadv: Callable[[int, list[np.ndarray], int], int] = os.preadv  # type: ignore[assignment]
 
     # --- files -----------------------------------------------------------------------------
     def open(self, path: str, label: str) -> PosixFile:
@@ -114,10 +116,10 @@ class PosixEngine:
             chunks += [_Chunk(index, request, piece) for piece in pieces]
         return chunks
 
-    def _submit(self, chunk: _Chunk, is_write: bool, inline: bool) -> Future:
+    def _submit(self, chunk: _Chunk, is_write: bool, inline: bool) -> Future[None]:
         if inline:
             chunk.inline = True
-            future: Future = Future()
+            future: Future[None] = Future()
             try:
                 self._transfer(chunk, is_write)
             except BaseException as e:  # noqa: BLE001 - handed to the waiter below
@@ -133,7 +135,9 @@ class PosixEngine:
 
     def _run(self, requests: Sequence[IORequest], is_write: bool, on_done: OnDone | None) -> None:
         chunks = self._plan(requests)
-        checksummed_write = is_write and on_done is not None
+        # A checksummed write: on_done sums each piece as it is written.
+        checksum = on_done if is_write else None
+        checksummed_write = checksum is not None
         # One chunk runs on the calling thread, unless a write is checksummed: then the I/O
         # thread writes while this thread computes the checksum.
         inline = len(chunks) == 1 and not checksummed_write
@@ -165,15 +169,15 @@ class PosixEngine:
                         chunk.staging = self._pool.acquire(block=True)
                     if is_write:
                         self._fill(chunk)
-                elif checksummed_write:
+                elif checksum is not None:
                     # Note [Checksums of what was written]: written from the live source, so
                     # summed before the write starts; the offloader sums it again afterwards.
-                    on_done(chunk.index, chunk.start, chunk.stop, None)
+                    checksum(chunk.index, chunk.start, chunk.stop, None)
                 chunk.future = self._submit(chunk, is_write, inline)
                 inflight.append(chunk)
-                if checksummed_write and chunk.staging is not None:  # overlaps with the write
+                if checksum is not None and chunk.staging is not None:  # overlaps with the write
                     lead = chunk.piece.lead
-                    on_done(chunk.index, chunk.start, chunk.stop, chunk.staging.tensor[lead : lead + chunk.stop - chunk.start])
+                    checksum(chunk.index, chunk.start, chunk.stop, chunk.staging.tensor[lead : lead + chunk.stop - chunk.start])
                 while len(inflight) > self.num_io_threads and error is None:
                     error = finish_oldest()
                 if error is not None:
@@ -246,7 +250,9 @@ class PosixEngine:
         finally:
             chunk.cpu_s = time.thread_time() - cpu_start
 
-    def _loop(self, handle: PosixFile, view: np.ndarray, offset: int, op: str, call: Callable) -> None:
+    def _loop(
+        self, handle: PosixFile, view: np.ndarray, offset: int, op: str, call: Callable[[int, np.ndarray, int], int]
+    ) -> None:
         total, done = len(view), 0
         direct_fd = handle.direct_fd
         fd = direct_fd if direct_fd is not None else handle.fd

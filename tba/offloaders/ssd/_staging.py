@@ -39,6 +39,7 @@ class StagingPool:
             # allocator would round chunk_bytes + alignment up to twice the size and keep it);
             # pageable with a one-time warning where pinning fails.
             buffer = HostAllocator().allocate(self.chunk_bytes, pinned=True)
+            assert buffer.tensor is not None  # released only by clear()
             tensor = buffer.tensor
             keepalive: object = buffer
         else:
