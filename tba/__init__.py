@@ -92,7 +92,14 @@ def configure_tensor_cache(
 
         integrations.patch(config.pipeline)
     offloader = make_offloader(config, rank=_rank())
-    cache = TensorCache(model, config, offloader)
+    try:
+        cache = TensorCache(model, config, offloader)
+    except BaseException:
+        # A configuration TensorCache refuses (bad block_modules, ...) leaves nothing behind:
+        # no offloader directory, no SIGINT handler kept for an engine nobody will close.
+        if offloader is not None:
+            offloader.close()
+        raise
     registry.register(cache, model)
     # Weakly: the cache must not hold its model (Note [The model owns its cache]).
     cache.add_close_callback(functools.partial(_unregister, weakref.ref(model)))

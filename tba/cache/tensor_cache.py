@@ -109,7 +109,11 @@ class TensorCache:
             timeout_s=config.transfer_timeout_s,
             trace=TraceRecorder(),
         )
-        self.units: list[Unit] = find_units(model, config.block_modules)
+        try:
+            self.units: list[Unit] = find_units(model, config.block_modules)
+        except BaseException:
+            engine.close()  # its lock is guarded against SIGINT until it is closed
+            raise
         self.num_blocks = sum(u.block_index is not None for u in self.units)
         blocks_note = None
         if self.num_blocks == 0:

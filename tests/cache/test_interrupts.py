@@ -183,3 +183,22 @@ def test_a_real_ctrl_c_during_backward_is_raised_not_swallowed() -> None:
         gc.collect()
         model(models.vector_batch(1)).backward()
         assert probe(cache).num_entries == 0 and not probe(cache).check_invariants()
+
+
+def _guarded_locks() -> int:
+    gc.collect()
+    return sum(ref() is not None for ref in interrupts._locks)
+
+
+def test_a_refused_configuration_leaves_no_guard_and_no_directory(tmp_path: Path) -> None:
+    """A configuration TensorCache refuses after its engine exists (block_modules matching
+    nothing) closes that engine and the offloader: no SIGINT guard is left for an engine no one
+    will close (a notebook keeps the failed call's traceback, and with it the engine), no
+    offload directory is left on disk."""
+    before = _guarded_locks()
+    with pytest.raises(ValueError, match="matches no submodule") as failure:
+        tba.configure_tensor_cache(models.Stack(), offloader="ssd", ssd_dirs=(str(tmp_path),),
+                                   block_modules=("nothing.*",))
+    assert failure.value.__traceback__ is not None  # the traceback (and its frames) still alive
+    assert _guarded_locks() == before
+    assert list(tmp_path.iterdir()) == []
