@@ -98,6 +98,9 @@ class TensorCache:
         self._model = weakref.ref(model)
         self.config = config
         self.offloader = offloader
+        # Before the engine: a refused block_modules leaves no engine (its lock is guarded
+        # against SIGINT until it is closed) behind.
+        self.units: list[Unit] = find_units(model, config.block_modules)
         engine = self._engine = Engine(
             offloader,
             streams if streams is not None else DeviceStreams(),
@@ -109,11 +112,6 @@ class TensorCache:
             timeout_s=config.transfer_timeout_s,
             trace=TraceRecorder(),
         )
-        try:
-            self.units: list[Unit] = find_units(model, config.block_modules)
-        except BaseException:
-            engine.close()  # its lock is guarded against SIGINT until it is closed
-            raise
         self.num_blocks = sum(u.block_index is not None for u in self.units)
         blocks_note = None
         if self.num_blocks == 0:
