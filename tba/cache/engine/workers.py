@@ -19,15 +19,15 @@ import torch
 from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.engine.entries import Entry, Transfer
 from tba.cache.engine.states import Event, State
-from tba.cache.profiler_ranges import transfer_range
+from tba.cache.observe.profiler_ranges import transfer_range
 from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
 from tba.settings import DIRECT_IO_ALIGNMENT
 
 if TYPE_CHECKING:
-    from tba.cache.stats import CacheStats
-    from tba.cache.streams import StreamLayer
-    from tba.cache.trace import TraceRecorder
+    from tba.cache.engine.streams import StreamLayer
+    from tba.cache.observe.stats import CacheStats
+    from tba.cache.observe.trace import TraceRecorder
     from tba.offloaders.base import Offloader
 
 __all__ = ["TransferWorkers"]
