@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run tba's main job or its tests (the README's two commands).
 #   bash .ci/dev.sh main [rok_curve.py args...]   # ROK benchmark: PNG + CSV + JSON under out/rok
-#   bash .ci/dev.sh test [pytest args...]         # the test suite
+#   bash .ci/dev.sh test [pytest args...]         # the everyday tests: every test not marked slow
+#   bash .ci/dev.sh test-slow [pytest args...]    # the tests marked slow (CI runs both: .ci/run)
 #   bash .ci/dev.sh types                         # the type checker (mypy; config in pyproject.toml)
 # Set-up is idempotent: a virtual environment in .venv with torch 2.13.0 (never upgraded),
-# tba installed editable with the extras the command needs (main: bench; test and types: test,
-# bench, release, typecheck and the optional packages the tests use).
+# tba installed editable with the extras the command needs (main: bench; test, test-slow and
+# types: test, bench, release, typecheck and the optional packages the tests use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
 shift || true
-case "$what" in main|test|types) ;; *) echo "usage: bash .ci/dev.sh main|test|types [args...]" >&2; exit 2 ;; esac
+case "$what" in main|test|test-slow|types) ;; *) echo "usage: bash .ci/dev.sh main|test|test-slow|types [args...]" >&2; exit 2 ;; esac
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -33,11 +34,17 @@ if [ "$what" = main ]; then
   rm -f "$constraints"  # exec skips the EXIT trap
   exec python benchmarks/rok_curve.py "$@"
 fi
-# types and test share one environment: mypy checks tba against the packages the tests use.
+# types and the tests share one environment: mypy checks tba against the packages the tests use.
 pip install -q -c "$constraints" -e ".[test,bench,release,typecheck]"
 bash .ci/install_optional.sh "$constraints"
 rm -f "$constraints"
 if [ "$what" = types ]; then
   exec python -m mypy "$@"  # files and strictness: [tool.mypy] in pyproject.toml
 fi
-exec python -m pytest -q -p no:cacheprovider "$@"
+# The everyday suite leaves out the tests marked slow (interrupt sweeps at every line, the wheel,
+# the type checker's strictness, ...); test-slow runs exactly those, so the two run every test
+# once. A -m of the caller's own comes later on the command line and wins.
+if [ "$what" = test-slow ]; then
+  exec python -m pytest -q -p no:cacheprovider -m slow "$@"
+fi
+exec python -m pytest -q -p no:cacheprovider -m "not slow" "$@"
