@@ -13,6 +13,13 @@ what=${1:-}
 shift || true
 case "$what" in main|test|test-slow|types) ;; *) echo "usage: bash .ci/dev.sh main|test|test-slow|types [args...]" >&2; exit 2 ;; esac
 
+# Note [Byte code is written]: Python may write the byte code of what it imports (a shell with
+# PYTHONDONTWRITEBYTECODE=1 forbids it). torch is installed without byte code (--no-compile
+# below), so with it forbidden every Python process compiles torch's modules again: ~2.5 s of
+# CPU per process that imports torch, and the tests start well over a hundred (workers,
+# benchmark smoke runs, CLI checks). Written once, the byte code lands in .venv and in
+# __pycache__ folders that git ignores.
+unset PYTHONDONTWRITEBYTECODE
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
