@@ -139,8 +139,9 @@ def test_meter_above_the_cache_changes_nothing_it_measures() -> None:
                                         adaptive=False) as cache:
             for step in range(3):
                 with counter.measuring() if meter else contextlib.nullcontext():
-                    model(models.vector_batch(step)).backward()
-                    cache.wait_for_stores()
+                    loss = model(models.vector_batch(step))
+                    cache.wait_for_stores()  # backward then reads every offloaded tensor back
+                    loss.backward()
             return [p.grad.clone() for p in model.parameters()], cache.stats(), counter.num_storages
 
     with_meter, stats, counted = run(True)
