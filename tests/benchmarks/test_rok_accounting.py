@@ -126,6 +126,7 @@ def test_recompute_counts_block_inputs_and_one_recomputed_block() -> None:
     assert row["meter_saved_bytes"] > 0 and peak < everything
 
 
+@pytest.mark.timing
 def test_meter_above_the_cache_changes_nothing_it_measures() -> None:
     # The meter pushes its hooks above tba's (as in recompute+offload): every tensor still
     # reaches tba and comes back bit-exact, and the meter counts each saved storage once.

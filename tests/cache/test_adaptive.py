@@ -64,6 +64,7 @@ def test_boundary_never_passes_the_kept_tail() -> None:
 
 
 # ---------------------------------------------------------------- the cache's decisions
+@pytest.mark.timing
 def test_unthrottled_offloads_every_block_but_the_tail() -> None:
     # The rule weighs the write bandwidth of completed stores against the forward's compute.
     # Both are made certain: every store completes before backward (the profiled step measures
@@ -197,6 +198,7 @@ def test_throttled_caps_bandwidth(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------- summary and trace
+@pytest.mark.timing
 def test_summary_and_trace(tmp_path) -> None:
     model = models.Stack(num_blocks=4)
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),

@@ -113,6 +113,7 @@ def test_import_initialises_no_cuda_and_loads_no_native_library() -> None:
     assert out.stdout.strip() == "ok"
 
 
+@pytest.mark.timing
 def test_stats_cover_one_step_and_totals() -> None:
     model = models.Stack()
     with tba.configure_tensor_cache(
@@ -153,6 +154,7 @@ def _peak(offloader: str) -> int:
         return cache.stats().peak_resident_bytes
 
 
+@pytest.mark.timing
 def test_host_peak_is_at_most_60_percent_of_none() -> None:
     none, host = _peak("none"), _peak("host")
     assert none > 0
