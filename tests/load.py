@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
-# Spins until its parent (the pytest process) is gone: os.getppid() changes when it dies.
-_SPIN = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
+# Spins while its parent, the pytest process whose pid it is given, lives: os.getppid() changes
+# when it dies. (Read in the child, the parent's pid could already be its reaper's.)
+_SPIN = "import os, sys\nparent = int(sys.argv[1])\nwhile os.getppid() == parent:\n    pass\n"
 
 _procs: list[subprocess.Popen[bytes]] = []
 _loadavg: dict[str, str] = {}
@@ -59,7 +60,7 @@ def pytest_configure(config: Any) -> None:
     if hasattr(config, "workerinput"):
         return
     for _ in range(num_procs()):
-        _procs.append(subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL))
+        _procs.append(subprocess.Popen([sys.executable, "-c", _SPIN, str(os.getpid())], stdin=subprocess.DEVNULL))
     _loadavg["start"] = _loadavg_now()
 
 
