@@ -4,7 +4,6 @@ fast and throttled offloaders, bit-exactness, summary and trace."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -100,11 +99,12 @@ def test_throttled_moves_boundary_earlier() -> None:
         with tba.configure_tensor_cache(model, offloader=slow, offload_devices=("cpu",),
                                         min_offload_bytes=0, adaptive=adaptive) as cache:
             # A store takes ~0.1 s here, longer than a step: the profile completes (and the
-            # decision is taken) at the first step that sees a store finish.
-            deadline = time.monotonic() + 20
+            # decision is taken) at the first step that sees a store finish. The slower the
+            # machine, the fewer steps that takes (the throttle sleeps in real time): bounded
+            # by steps, not by time.
             steps = 0
             while steps < 5 or (adaptive and cache.adaptive_decision is None):
-                assert time.monotonic() < deadline, cache.summary()
+                assert steps < 1000, cache.summary()
                 model(torch.randn(256, 16)).backward()
                 steps += 1
             return cache.boundary.tail_start, cache
