@@ -7,7 +7,9 @@ event of tba's code in one step, for every k (every few k in the quick variant).
 from __future__ import annotations
 
 import gc
+import logging
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,58 @@ def test_an_interrupted_forward_leaves_no_hooks_for_another_model() -> None:
         assert cache.stats(cumulative=True).num_packed == 2
         forward = probe(cache).forward
         assert not forward.hooks_active and forward.depth == 0
+
+
+@pytest.mark.parametrize("traceback", ["dropped", "kept"])
+def test_an_interrupted_forward_is_no_step(traceback: str, caplog: pytest.LogCaptureFixture
+                                           ) -> None:
+    """Issue 30: Ctrl-C in a forward's first block, after one save (the embedding's input,
+    512 bytes: kept, below min_offload_bytes). What that forward left was counted as a step of its own (1 saved
+    tensor, nothing offloaded): in the first step it spent the once-only offloaded-nothing
+    warning; with its traceback kept alive, the step after it counted two forwards and
+    re-profiled (Note [Step boundaries] in tba/cache/steps/tracker.py)."""
+    torch.manual_seed(0)
+    model = models.Stack(num_blocks=3, width=64)  # the blocks save 2 KiB and more
+    armed = False
+
+    def interrupt(module: torch.nn.Module, args: object) -> None:
+        nonlocal armed
+        if armed:
+            armed = False
+            signal.raise_signal(signal.SIGINT)
+
+    model.blocks[0].register_forward_pre_hook(interrupt)
+    held: list[BaseException] = []
+    interrupted = (0, 5)  # the first forward, and one after the adaptive decision (step 2)
+    with warnings.catch_warnings(record=True) as caught, \
+            caplog.at_level(logging.INFO, logger="tba.cache.steps.steps"):
+        warnings.simplefilter("always")
+        with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
+                                        min_offload_bytes=1024, max_step_overhead=None
+                                        ) as cache:
+            for seed in range(8):
+                armed = seed in interrupted
+                try:
+                    model(models.vector_batch(seed)).backward()
+                except KeyboardInterrupt as exc:
+                    assert armed is False and seed in interrupted
+                    if traceback == "kept":
+                        held.append(exc)  # its frames hold the saved input
+                    continue
+                held.clear()
+    assert probe(cache).num_entries == 0
+    messages = [str(w.message) for w in caught if "offloaded nothing" in str(w.message)]
+    assert not messages, messages
+    reprofiles = [r.getMessage() for r in caplog.records if "re-profiling" in r.getMessage()
+                  and "bandwidth" not in r.getMessage()]  # tiny steps: their bandwidth drifts
+    assert not reprofiles, reprofiles
+    rows = [(number, step.num_packed) for number, step, _ in cache._steps.history]
+    full = rows[-1][1]
+    extra = 1 if traceback == "kept" else 0  # the interrupted forward's save, in the next step
+    assert rows == [(1, full + extra), (2, full), (3, full), (4, full), (5, full + extra),
+                    (6, full)], rows
+    total = cache.stats(cumulative=True)
+    assert total.num_steps == 6 and total.num_packed == 6 * full + 2, total
 
 
 def test_a_real_ctrl_c_during_backward_is_raised_not_swallowed() -> None:

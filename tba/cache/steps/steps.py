@@ -108,6 +108,23 @@ class Steps:
         if self.profile is not None:
             self.profile.end(None)
 
+    def forward_abandoned(self) -> None:
+        """A forward of the running step was ended by an interrupt (Note [Interrupted
+        forwards]): it is no forward of the step (not counted in forwards per step), and the
+        profile it ran in, short of its end, is dropped: the next forward is profiled."""
+        self._num_forwards -= 1
+        self.profile = None
+
+    def drop(self, step: CacheStats) -> None:
+        """The running step ended and every forward of it was interrupted (Note [Step
+        boundaries]): no step. Its counters ``step`` (what it saved, moved and released) join
+        the totals; it is not numbered, recorded, timed or judged."""
+        step.num_steps = 0
+        self.total = self.total.merged(step)
+        self._num_forwards = 0
+        self._step_start = None
+        logger.debug("tba: a step of interrupted forwards only ended: %s", step)
+
     def finish(self, step: CacheStats, peak_held_bytes: int) -> CacheStats:
         """Close the running step with its counters ``step``: record them, decide or
         re-profile, size the offloader from ``peak_held_bytes`` once."""
