@@ -199,13 +199,16 @@ def test_an_interrupted_forward_leaves_no_hooks_for_another_model() -> None:
 
 
 @pytest.mark.parametrize("traceback", ["dropped", "kept"])
-def test_an_interrupted_forward_is_no_step(traceback: str, caplog: pytest.LogCaptureFixture
-                                           ) -> None:
-    """Issue 30: Ctrl-C in a forward's first block, after one save (the embedding's input,
-    512 bytes: kept, below min_offload_bytes). What that forward left was counted as a step of its own (1 saved
-    tensor, nothing offloaded): in the first step it spent the once-only offloaded-nothing
-    warning; with its traceback kept alive, the step after it counted two forwards and
-    re-profiled (Note [Step boundaries] in tba/cache/steps/tracker.py)."""
+@pytest.mark.parametrize("how", ["ctrl-c", "exception"])
+def test_an_interrupted_forward_is_no_step(how: str, traceback: str,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 30: Ctrl-C (or an exception: a timeout's) in a forward's first block, after one
+    save (the embedding's input, 512 bytes: kept, below min_offload_bytes). What that forward
+    left was counted as a step of its own (1 saved tensor, nothing offloaded): in the first
+    step it spent the once-only offloaded-nothing warning; with its traceback kept alive, the
+    step after it counted two forwards and re-profiled (Note [Step boundaries] in
+    tba/cache/steps/tracker.py). A KeyboardInterrupt skips the root's post hook (the next
+    forward closes the forward); an exception reaches it (Note [Interrupted forwards])."""
     torch.manual_seed(0)
     model = models.Stack(num_blocks=3, width=64)  # the blocks save 2 KiB and more
     armed = False
@@ -214,7 +217,9 @@ def test_an_interrupted_forward_is_no_step(traceback: str, caplog: pytest.LogCap
         nonlocal armed
         if armed:
             armed = False
-            signal.raise_signal(signal.SIGINT)
+            if how == "ctrl-c":
+                signal.raise_signal(signal.SIGINT)
+            raise Timeout("the step ran over its time")
 
     model.blocks[0].register_forward_pre_hook(interrupt)
     held: list[BaseException] = []
@@ -229,7 +234,7 @@ def test_an_interrupted_forward_is_no_step(traceback: str, caplog: pytest.LogCap
                 armed = seed in interrupted
                 try:
                     model(models.vector_batch(seed)).backward()
-                except KeyboardInterrupt as exc:
+                except (KeyboardInterrupt, Timeout) as exc:
                     assert armed is False and seed in interrupted
                     if traceback == "kept":
                         held.append(exc)  # its frames hold the saved input

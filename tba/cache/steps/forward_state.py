@@ -9,7 +9,9 @@ signal handler's exception (tba's wrappers of the signal handlers count the exce
 let through, ``interrupts.interrupt_count``; a save that sees the count moved since its
 forward began looks for that forward on the stack once).
 So a caught Ctrl-C leaves the cache usable, and another model's forward afterwards is not
-offloaded by tba's stale hooks.
+offloaded by tba's stale hooks. An ``Exception`` (a timeout's, the model's own) does reach the
+root's post hook, with no output: that forward is closed there the same way. A closed forward
+is no forward of its step (Note [Step boundaries] in tba/cache/steps/tracker.py).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ a time) are two; forwards whose graphs are kept and never backwarded stay in the
 next backward. A backward whose graph's step already ended (``retain_graph=True`` run again;
 backwards in the reverse order of their forwards without pipeline hints) is a step of its own.
 A backward that never ends (interrupted) is taken as ended at the next forward when every
-record of the step had started its backward. A forward that an interrupt ended (Note
-[Interrupted forwards]) is no forward of its step: what it saved stays in the step, but a step
+record of the step had started its backward. A forward that an interrupt or an exception
+ended (Note [Interrupted forwards]) is no forward of its step: what it saved stays in the step, but a step
 whose every forward was interrupted is no step (its counters join the totals only, it is not
 profiled, numbered or judged). Records of an ended step are dropped with their
 grad_fn hooks, so what the tracker holds is bounded by the running step.
@@ -140,8 +140,9 @@ class StepTracker:
         self.maybe_end_step()
 
     def abandon_forward(self, state: ThreadState) -> None:
-        """Close this thread's forward that an interrupt ended (Note [Interrupted forwards])."""
-        logger.info("tba: the previous forward on this thread was interrupted; closing it")
+        """Close this thread's forward that an interrupt or an exception ended (Note
+        [Interrupted forwards])."""
+        logger.info("tba: a forward on this thread was interrupted or raised; closing it")
         state.leave_hooks()
         self.num_abandoned += 1
         if self.on_forward_abandoned is not None:
