@@ -111,6 +111,8 @@ def _bash(argv: list[str], env: tuple[str, ...], monkeypatch, capsys) -> None:
         assert argv[1:2] and argv[1] in _dev_sh_commands(), f"{argv}: .ci/dev.sh has {_dev_sh_commands()}"
         if argv[1] == "main":  # the rest goes to the main job's parser
             _tba(["rok", *argv[2:]], monkeypatch, capsys)
+        elif argv[1] != "types":  # test, test-slow, load: the rest goes to pytest
+            _pytest(argv[2:])
 
 
 def _pytest(argv: list[str]) -> None:
@@ -150,6 +152,8 @@ def test_documented_command_runs_as_written(command: Command, monkeypatch, capsy
     if not argv:  # an `export` line
         _variables_read(command.env)
         return
+    if argv[:2] == ["nice", "-n"]:  # a priority, then the command
+        argv = argv[3:]
     program = argv[0]
     if program == "bash":
         _bash(argv[1:], command.env, monkeypatch, capsys)
@@ -181,6 +185,19 @@ def test_the_pages_give_the_commands_of_both_jobs() -> None:
     """The README's two commands, the slow tests and the checks are among what is checked."""
     readme = {" ".join(c.argv) for c in DOCUMENTED if c.where.startswith("README.md")}
     assert {"bash .ci/dev.sh main", "bash .ci/dev.sh test", "bash .ci/dev.sh test-slow"} <= readme, readme
+
+
+def test_ci_runs_every_check_the_readme_gives() -> None:
+    """What the README calls CI's checks is what .ci/run runs: every .ci/dev.sh command the README
+    gives but the main job, in .ci/run, and nothing of dev.sh that the README leaves out; the
+    everyday tests before the slow ones."""
+    run = (ROOT / ".ci" / "run").read_text()
+    in_ci = re.findall(r"^(?:exec )?bash \.ci/dev\.sh ([\w-]+)", run, re.MULTILINE)
+    readme = [c.argv[2] for c in DOCUMENTED
+              if c.where.startswith("README.md") and c.argv[:2] == ("bash", ".ci/dev.sh")]
+    assert set(readme) - {"main"} == set(in_ci), f"README gives {readme}, .ci/run runs {in_ci}"
+    assert set(in_ci) | {"main"} == set(_dev_sh_commands()), f".ci/dev.sh has {_dev_sh_commands()}, .ci/run runs {in_ci}"
+    assert in_ci.index("test") < in_ci.index("test-slow"), in_ci
 
 
 def test_dev_sh_refuses_an_unknown_command_and_lists_its_own() -> None:
