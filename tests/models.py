@@ -56,9 +56,9 @@ def t5_batch(seed: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def vector_batch(seed: int, features: int = 16) -> torch.Tensor:
+def vector_batch(seed: int, features: int = 16, rows: int = BATCH * 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(BATCH * 2, features, generator=g)
+    return torch.randn(rows, features, generator=g)
 
 
 class MLPBlock(nn.Module):
