@@ -16,6 +16,16 @@ from tba import _env
 # TBAError in the training step on a violation.
 os.environ.setdefault("TBA_CHECK_INVARIANTS", "1")
 
+# Note [One intra-op thread in the suite]: torch's CPU kernels default to one OpenMP thread per
+# core, and tba's store and load workers run beside them, so on the 2-core machines the suite runs
+# on, a training step had more runnable threads than cores, and OpenMP's threads spin while they
+# wait for each other. tests/cache/test_transformers.py and test_closed_loop.py took 49.6 s of CPU
+# (100 s wall, load average 9) with two threads and 5.2 s (10 s wall) with one. The tests compare
+# tba with plain PyTorch in the same process, so both run with the same thread count; tba's code
+# does not depend on it. Child processes (benchmark smoke runs, workers) keep torch's default.
+# OMP_NUM_THREADS, when set, wins (a run with more threads: OMP_NUM_THREADS=2 pytest ...).
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
 # Note [Suites started in the background]: a shell without job control starts a background
 # command (`pytest ... &`) with SIGINT ignored, and its children inherit that. tba leaves an
 # ignored SIGINT alone (the script chose it), so the tests of tba's Ctrl-C handling, and the
