@@ -105,7 +105,8 @@ verdict() {
 VENV="$RESULTS/venv"
 install() {
     set -e
-    "$PYTHON" -m venv --system-site-packages "$VENV"
+    # Sees PYTHON's packages also when PYTHON is a venv's (Note [A venv made from a venv]).
+    "$PYTHON" "$SCRIPT_DIR/_suite_venv.py" "$VENV"
     local py="$VENV/bin/python"
     local pip=("$py" -m pip install --no-index --disable-pip-version-check)
     if [[ -n "$WHEELS" ]]; then
@@ -140,7 +141,7 @@ if [[ "${SUITE_SKIP_INSTALL:-0}" == 1 ]]; then
     skip install "SUITE_SKIP_INSTALL=1"
 else
     export -f install
-    export WHEELS PYTHON VENV REPO
+    export WHEELS PYTHON VENV REPO SCRIPT_DIR
     stage install "$(limit 120)" bash -c install
 fi
 PY="$VENV/bin/python"

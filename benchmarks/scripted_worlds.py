@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from tba.cache.closed_loop import OverheadLoop  # noqa: E402
+from tba.cache.policy.closed_loop import OverheadLoop  # noqa: E402
 from tba.settings import CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD, CLOSED_LOOP_PASS_CONFIDENCE  # noqa: E402
 
 from _environment import describe  # noqa: E402

@@ -191,3 +191,18 @@ def test_bar1_parsing() -> None:
     text = "FB Memory Usage\n    Total : 81559 MiB\nBAR1 Memory Usage\n    Total : 131072 MiB\n    Used : 2 MiB\n"
     assert _verdict_env.bar1_total_mib(text) == 131072
     assert _verdict_env.bar1_total_mib("no such block") is None
+
+
+def test_suite_venv_sees_the_packages_of_a_venv_python(tmp_path: Path) -> None:
+    """Note [A venv made from a venv]: the suite's environment, made from a Python that is
+    itself a venv's (as on the lent GPU machines), imports that venv's torch; with plain
+    ``--system-site-packages`` it would not."""
+    import _suite_venv
+
+    assert sys.prefix != sys.base_prefix, "the test suite runs in a virtual environment (.ci/dev.sh)"
+    python = _suite_venv.make(tmp_path / "venv", with_pip=False)
+    probe = "import sys, torch; print(sys.prefix); print(torch.__file__)"
+    prefix, torch_file = subprocess.run([str(python), "-c", probe], check=True, capture_output=True,
+                                        text=True, timeout=120).stdout.split()
+    assert Path(prefix) == tmp_path / "venv"
+    assert Path(torch_file).resolve() == Path(torch.__file__).resolve()

@@ -58,7 +58,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from tba.cache.paired_ratios import PairedOverhead, judge, median, median_bounds
+from tba.cache.policy.paired_ratios import PairedOverhead, judge, median, median_bounds
 
 __all__ = ["BracketSearch", "Outcome", "Verdict"]
 
