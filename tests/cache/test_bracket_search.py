@@ -54,13 +54,17 @@ def test_a_pass_below_the_top_pools_the_larger_boundaries_pairs() -> None:
     verdict = search.judge(6, *_pairs(0.03, 0.03, 0.03), pairs_left=2)
     assert verdict.outcome == "pass" and verdict.pooled_from == (11,)
     assert verdict.pooled_high == pytest.approx(0.036)
-    assert verdict.center == pytest.approx(0.033)  # the median of the six
     assert "at most +3.6% with the pairs of blocks [0, 11) scaled to its bytes" in (
         verdict.describe(0.05, 0.9))
-    # Scaled pairs over the budget hold a pass back: [0, 11) at +11% scales to +6% at 6.
+    # Scaled pairs over the budget hold a pass back: [0, 11) at +11% scales to +6% at 6 ...
     search = _search()
     search.conclude(search.judge(11, *_pairs(0.11, 0.11, 0.11), pairs_left=2))
     assert search.judge(6, *_pairs(0.03, 0.03, 0.03), pairs_left=2) is None
+    # ... until its own pairs carry it alone, as the rule's boundary's would: four, all
+    # within (costs convex, or the larger boundary's pairs disturbed).
+    verdict = search.judge(6, *_pairs(0.03, 0.03, 0.03, 0.03), pairs_left=1)
+    assert verdict.outcome == "pass" and verdict.pooled_from == ()
+    assert ", at most +3.0% at 90% confidence" not in verdict.describe(0.05, 0.9)  # = its high
 
 
 def test_worth_it_is_judged_on_the_median() -> None:
@@ -88,14 +92,16 @@ def test_the_bracket_and_predictions_made_afresh() -> None:
     # put [0, 7) at +5.0%, within, and [0, 8) at +6.5%: the upper end moves up again.
     search.conclude(search.judge(5, *_pairs(0.02, 0.02, 0.02), pairs_left=2))
     assert (search.lo, search.hi) == (5, 8)
-    assert search.predicted(7, "low") == pytest.approx(0.02 + 2 / 6 * 0.09)
-    # The line through the centres (+3.5% at 5: its pairs with those of [0, 11) scaled; +11%
-    # at 11) crosses 5% at 6.2 blocks.
-    assert search.verdicts[5].center == pytest.approx(0.035)
-    assert search.next_candidate() == 6
-    search.conclude(search.judge(6, *_pairs(0.06, 0.06, 0.06), pairs_left=2))
-    assert search.done and search.lo == 5
-    assert search.describe() == "blocks [0, 5) within, blocks [0, 6) measured over"
+    assert search.predicted_low(7) == pytest.approx(0.02 + 2 / 6 * 0.09)
+    # The line through keep fitted to all six pairs (the median of them scaled to 7 blocks:
+    # +2.8% from [0, 5), +7% from [0, 11)) puts [0, 7) at +4.9%: measured next.
+    assert search.fitted(7) == pytest.approx(0.049)
+    assert search.next_candidate() == 7
+    search.conclude(search.judge(7, *_pairs(0.06, 0.06, 0.06), pairs_left=2))
+    assert (search.lo, search.hi) == (5, 7) and search.next_candidate() == 6
+    search.conclude(search.judge(6, *_pairs(0.04, 0.04, 0.04, 0.04), pairs_left=1))
+    assert search.done and search.lo == 6
+    assert search.describe() == "blocks [0, 6) within, blocks [0, 7) measured over"
 
 
 def test_an_undecided_boundary_is_the_upper_end_and_nothing_below_is_skipped() -> None:
@@ -120,13 +126,14 @@ def test_none_predicted_within_measures_the_closest_to_its_limit() -> None:
     assert (search.lo, search.hi) == (0, 4) and search.next_candidate() == 1
 
 
-def test_centres_shrug_off_disturbed_keep_steps() -> None:
-    # Two of [0, 4)'s three keep steps were disturbed (+25%): its own median reads -20%, but
-    # its centre, with the pairs of [0, 9) scaled, stays near the line (+4%), so the next
-    # boundary is not picked from a line tilted by two disturbed steps.
+def test_the_fitted_line_shrugs_off_disturbed_pairs() -> None:
+    # Two of the rule's three offload steps were disturbed: [0, 11) reads +30% (truly +5.5%).
+    # [0, 3) then reads +1.5% (four pairs: they pass alone). A line through the two medians
+    # would cross 5% near 4 blocks; the line fitted to all seven pairs (their median, each
+    # scaled) puts it at 10.
     search = _search()
-    search.conclude(search.judge(9, *_pairs(0.09, 0.09, 0.09), pairs_left=2))
-    keep, offload = [1.25, 1.25, 1.0], [1.04, 1.04, 1.04]
-    verdict = search.judge(4, keep, offload, pairs_left=2)
-    assert verdict.measured.overhead == pytest.approx(-0.168, abs=1e-3)
-    assert verdict.center == pytest.approx(0.04)
+    search.conclude(search.judge(11, *_pairs(0.055, 0.30, 0.35), pairs_left=2))
+    assert search.hi == 11  # its lower bound, +5.5%, predicts nothing over below it
+    search.conclude(search.judge(3, *_pairs(0.015, 0.015, 0.015, 0.015), pairs_left=1))
+    assert search.lo == 3 and search.fitted(10) == pytest.approx(0.05)
+    assert search.next_candidate() == 10

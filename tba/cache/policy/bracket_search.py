@@ -20,35 +20,33 @@ A check measures ``top`` (the rule's boundary) first and settles at ``lo`` when
 
 *A pass* needs the boundary's own median within its limit and an upper bound within the
 budget (outliers cannot carry a boundary over it; the worth-it rule, a preference rather than
-a budget, is judged on the median as it always was). For ``top``, with nothing measured above
-it, that is the bound on its own pairs at ``pass_confidence`` (0.9: at least 4 pairs, all
-within), since nothing else stands between a noisy pass and steps over the budget. Below
-``top`` it is the bound at ``confidence`` (0.8) on its own pairs together with the pairs of
-every larger boundary measured in the check, each scaled to its bytes (an overhead per
-offloaded byte): more pairs give a tighter bound, and one outlier among them moves it less.
-Under convex costs (each byte dearer when more move, as on the 2-core machine: 3 blocks
-+1.2%, 11 blocks +13.9%) the scaled pairs read high, so they can only hold a pass back; under
-concave costs (a fixed cost for offloading anything) they read low, and the boundary's own
-median still has to be within. Near the budget no check of 60 steps is sure: on scripted
-linear costs (benchmarks/scripted_worlds.py: noise up to 2% per block, 5% outlier steps, the
-best boundary anywhere from 1 to 11 of 12) a check settled one block below the best in 16%
-of 4400 checks and above it in 0.14% (a boundary 0.26% of the step over the budget, less
-than the noise of one pair, passed).
+a budget, is judged on the median as it always was). The bound is the lower of two: on its own
+pairs at ``pass_confidence`` (0.9: at least 4 pairs, all within), and, below ``top``, at
+``confidence`` (0.8) on its own pairs together with the pairs of every larger boundary
+measured in the check, each scaled to its bytes (an overhead per offloaded byte). ``top``
+passes on its own pairs alone: nothing else stands between a noisy pass and steps over the
+budget. Below it the pooled pairs give a tighter bound and count one outlier as one pair of
+many; under convex costs (each byte dearer when more move, as on the 2-core machine: 3 blocks
++1.2%, 11 blocks +13.9%) they read high, and a larger boundary whose pairs were mostly
+disturbed holds a pass back: then the boundary's own pairs can still carry it. Near the budget
+no check of 60 steps is sure: on scripted linear costs (benchmarks/scripted_worlds.py: noise
+up to 2% per block, 5% outlier steps, the best boundary anywhere from 1 to 11 of 12) a check
+settled one block below the best in about 16% of 4400 checks and above it in about 0.15% (a
+boundary 0.26% of the step over the budget, less than the noise of one pair, passed).
 
-*Predictions* come only from measured pairs, with their bounds, and are made afresh from the
-nearest measurements after each verdict: an unmeasured boundary between ``lo`` (or keep:
-overhead 0, exactly) and the nearest measured boundary above it is interpolated linearly in
-offloaded bytes, its median from their medians and its lower bound from their lower bounds.
-One whose interpolated lower bound is over its limit is known over without measuring it. The
-next boundary measured is the largest one in the bracket whose interpolated median is within
-its limit (where the line through the nearest measurements crosses the limit: the secant
-method), or, when none is, the one predicted closest to its limit. On a linear cost the rule's
-boundary, once measured over, points at the best boundary at once; the check measures it
-and, unless the one above it is predicted over, that one too. Under convex costs a line reads
-high between two measurements: the check settles lower, never higher, and a lower ``lo``
-brings the next line closer to the curve. Tested in tests/cache/test_bracket_search.py,
-tests/cache/test_overhead_loop.py and, on scripted worlds (``tba.testing.ScriptedWorld``),
-tests/cache/test_scripted_worlds.py.
+*Predictions* come only from measured pairs, with their bounds, and are made afresh after each
+verdict. A boundary between ``lo`` and the nearest boundary measured above it is known over
+without measuring it when the lower bounds of those two (keep: exactly 0), interpolated
+linearly in offloaded bytes, put it over its limit. The next boundary measured is the largest
+one in the bracket within its limit by a line through keep fitted to every pair measured in
+the check (the median of them all, each scaled to its bytes: two disturbed pairs among three
+cannot tilt it), or, when none is, the one fitted closest to its limit. On a linear cost the
+rule's boundary, once measured over, points at the best boundary at once; the check measures
+it and, unless the one above it is predicted over, that one too. Under convex costs a line
+through measurements reads high between them and a line through keep reads wrong at both
+ends: the check then measures more boundaries, and predictions only ever lower its result.
+Tested in tests/cache/test_bracket_search.py, tests/cache/test_overhead_loop.py and, on
+scripted worlds (``tba.testing.ScriptedWorld``), tests/cache/test_scripted_worlds.py.
 """
 
 from __future__ import annotations
@@ -74,9 +72,7 @@ class Verdict:
         measured: its own (keep, offload) pairs, bounds at the search's ``confidence``.
         pooled_high: the upper bound a pass needs (Note [Bracket search]).
         pooled_from: the larger boundaries whose pairs, scaled, joined its own in that bound
-            (none: its own pairs at the pass confidence).
-        center: the median of its own pairs and those of ``pooled_from`` (scaled): what the
-            lines that pick the next boundary go through.
+            (none: the bound on its own pairs at the pass confidence was the lower).
         outcome: ``"pass"``, ``"over"`` (over the budget), ``"not worth it"`` (within the
             budget, over what its saving is worth) or ``"undecided"`` (no verdict after the
             most pairs: counted over).
@@ -91,7 +87,6 @@ class Verdict:
     saved: float
     limit: float
     pooled_from: tuple[int, ...]
-    center: float
 
     def describe(self, max_overhead: float, pass_confidence: float) -> str:
         """``blocks [0, 3) +3.1% (bounds +2.2% to +4.0%, 3 pairs), saving 25%: within 5%``."""
@@ -181,8 +176,7 @@ class BracketSearch:
         ratios = self._ratios[n] = [o / k - 1.0 if k > 0 else 0.0
                                     for k, o in zip(keep_s, offload_s)]
         bound = limit + 1e-9
-        pooled_from = tuple(sorted(b for b in self._ratios if b > n and self.saved(b) > 0))
-        pooled_high = self._pooled_high(n, pooled_from)
+        pooled_high, pooled_from = self._pass_bound(n)
         # A median within the limit after all the pairs allowed needs at least half of them
         # (the lower middle one) within it.
         num_within = sum(r <= bound for r in ratios)
@@ -196,23 +190,24 @@ class BracketSearch:
             outcome = "undecided"
         else:
             return None
-        center = median(ratios + self._scaled(n, pooled_from))
-        return Verdict(n, own, pooled_high, outcome, self.saved(n), limit, pooled_from, center)
+        return Verdict(n, own, pooled_high, outcome, self.saved(n), limit, pooled_from)
 
     def _scaled(self, n: int, pooled_from: Sequence[int]) -> list[float]:
         """The pairs of the boundaries ``pooled_from``, each scaled to ``n``'s bytes."""
         x = self.saved(n)
         return [r * x / self.saved(b) for b in pooled_from for r in self._ratios[b]]
 
-    def _pooled_high(self, n: int, pooled_from: Sequence[int]) -> float:
-        """The upper bound a pass of ``n`` needs (Note [Bracket search]): on its own pairs at
-        ``pass_confidence`` when no larger boundary was measured, else on its own pairs and
-        those of the larger boundaries ``pooled_from``, each scaled to ``n``'s bytes, at
-        ``confidence``."""
+    def _pass_bound(self, n: int) -> tuple[float, tuple[int, ...]]:
+        """The upper bound a pass of ``n`` needs (Note [Bracket search]), and the larger
+        boundaries whose pairs it rests on (none: ``n``'s own pairs at ``pass_confidence``)."""
         own = self._ratios[n]
-        if not pooled_from:
-            return median_bounds(own, self.pass_confidence)[1]
-        return median_bounds(own + self._scaled(n, pooled_from), self.confidence)[1]
+        alone = median_bounds(own, self.pass_confidence)[1]
+        larger = tuple(sorted(b for b in self._ratios if b > n and self.saved(b) > 0))
+        if larger:
+            pooled = median_bounds(own + self._scaled(n, larger), self.confidence)[1]
+            if pooled < alone:
+                return pooled, larger
+        return alone, ()
 
     def limit(self, n: int) -> float:
         """The most overhead boundary ``n`` may cost: the budget, or less when its saving is
@@ -234,7 +229,7 @@ class BracketSearch:
                               "not worth it": "measured not worth it"}[
                                   self.verdicts[self.hi].outcome]
         for j in range(self.lo + 1, self.hi):
-            low = self.predicted(j, "low")
+            low = self.predicted_low(j)
             if low is not None and low > self.limit(j) + 1e-9:
                 a, b = self._neighbours(j)
                 below = f"blocks [0, {a})" if a else "keeping every block"
@@ -250,24 +245,24 @@ class BracketSearch:
         above = [b for b in self.verdicts if b > j]
         return (max(below) if below else 0), (min(above) if above else -1)
 
-    def predicted(self, j: int, which: Literal["low", "mid"]) -> float | None:
-        """``j``'s overhead (``"mid"``: its median, ``"low"``: its lower bound) interpolated
-        linearly in offloaded bytes between the nearest measured boundaries below (keep:
-        exactly 0) and above it; None without one above."""
+    def predicted_low(self, j: int) -> float | None:
+        """A lower bound on ``j``'s overhead: the lower bounds of the nearest measured
+        boundaries below (keep: exactly 0) and above it, interpolated linearly in offloaded
+        bytes; None without one above."""
         a, b = self._neighbours(j)
         if b < 0:
             return None
-
-        def value(n: int) -> float:
-            if n == 0:
-                return 0.0
-            measured = self.verdicts[n].measured
-            verdict = self.verdicts[n]
-            return verdict.measured.low if which == "low" else verdict.center
-
+        low_a = self.verdicts[a].measured.low if a else 0.0
+        low_b = self.verdicts[b].measured.low
         xa, xb, xj = self.saved(a), self.saved(b), self.saved(j)
         t = (xj - xa) / (xb - xa) if xb > xa else 0.0
-        return value(a) + t * (value(b) - value(a))
+        return low_a + t * (low_b - low_a)
+
+    def fitted(self, j: int) -> float | None:
+        """``j``'s overhead by a line through keep fitted to every pair measured in the check:
+        the median of them all, each scaled to ``j``'s bytes (None before any)."""
+        values = self._scaled(j, [b for b in self._ratios if self.saved(b) > 0])
+        return median(values) if values else None
 
     @property
     def done(self) -> bool:
@@ -275,12 +270,12 @@ class BracketSearch:
         return self.hi <= self.lo + 1
 
     def next_candidate(self) -> int:
-        """The boundary to measure next: the largest one in the bracket whose interpolated
-        median is within its limit, else the one predicted closest to its limit."""
+        """The boundary to measure next: the largest one in the bracket whose fitted overhead
+        is within its limit, else the one fitted closest to its limit."""
         assert not self.done
         best, best_excess = self.lo + 1, math.inf
         for j in range(self.hi - 1, self.lo, -1):
-            mid, limit = self.predicted(j, "mid"), self.limit(j)
+            mid, limit = self.fitted(j), self.limit(j)
             if mid is None:
                 continue
             if mid <= limit + 1e-9:
