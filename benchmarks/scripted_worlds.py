@@ -3,6 +3,7 @@ settles at the best boundary, one block below, lower, or above it, and in how ma
 
     python benchmarks/scripted_worlds.py --out /tmp/worlds.json       # the loop alone, 400 seeds
     python benchmarks/scripted_worlds.py --pass-confidence 0.8 --out /tmp/worlds_08.json
+    python benchmarks/scripted_worlds.py --max-probe-steps 48 --out /tmp/worlds_48.json
     python benchmarks/scripted_worlds.py --cache --seeds 10 --kinds uniform,quiet \\
         --out /tmp/worlds_cache.json                                  # in a real cache
 
@@ -43,7 +44,11 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from tba.cache.policy.closed_loop import OverheadLoop  # noqa: E402
-from tba.settings import CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD, CLOSED_LOOP_PASS_CONFIDENCE  # noqa: E402
+from tba.settings import (  # noqa: E402
+    CLOSED_LOOP_MAX_PROBE_STEPS,
+    CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD,
+    CLOSED_LOOP_PASS_CONFIDENCE,
+)
 
 from _environment import describe  # noqa: E402
 
@@ -103,9 +108,9 @@ def _step(loop: OverheadLoop, world: _World, at: int) -> int:
     return next_at
 
 
-def _check(world: _World, pass_confidence: float) -> tuple[int, int]:
+def _check(world: _World, pass_confidence: float, max_probe_steps: int) -> tuple[int, int]:
     """One check from the rule's boundary: where it settled and its measured steps."""
-    loop = OverheadLoop(_BUDGET, pass_confidence=pass_confidence)
+    loop = OverheadLoop(_BUDGET, pass_confidence=pass_confidence, max_probe_steps=max_probe_steps)
     at, num_steps = loop.start(_TOP, [1] * _BLOCKS), 0
     while loop.probing:
         at = _step(loop, world, at)
@@ -113,11 +118,12 @@ def _check(world: _World, pass_confidence: float) -> tuple[int, int]:
     return loop.candidate, num_steps
 
 
-def _drift(boundary: int, seed: int, pass_confidence: float) -> tuple[int, int | None]:
+def _drift(boundary: int, seed: int, pass_confidence: float,
+           max_probe_steps: int) -> tuple[int, int | None]:
     """A world settles; ten steady steps later its transfer cost doubles. The new best, and the
     steps until the loop is settled at or below it (0: it already was; None: not within 150)."""
     world = _World("uniform", boundary, seed)
-    loop = OverheadLoop(_BUDGET, pass_confidence=pass_confidence)
+    loop = OverheadLoop(_BUDGET, pass_confidence=pass_confidence, max_probe_steps=max_probe_steps)
     at = loop.start(_TOP, [1] * _BLOCKS)
     while loop.probing:
         at = _step(loop, world, at)
@@ -169,6 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                    help="best boundaries (by the budget) of the worlds: a range a-b or a comma list")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from {','.join(KINDS)}")
     p.add_argument("--pass-confidence", type=float, default=CLOSED_LOOP_PASS_CONFIDENCE)
+    p.add_argument("--max-probe-steps", type=int, default=CLOSED_LOOP_MAX_PROBE_STEPS,
+                   help="measured steps per check at most (the loop alone)")
     p.add_argument("--cache", action="store_true", help="in a real cache (ScriptedWorld): uniform, "
                                                         "uniform-clean and quiet kinds only")
     p.add_argument("--out", default="scripted_worlds.json")
@@ -186,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     for kind in kinds:
         start = time.perf_counter()
         if kind == "drift":
-            results = [_drift(b, 1000 * b + s, args.pass_confidence)
+            results = [_drift(b, 1000 * b + s, args.pass_confidence, args.max_probe_steps)
                        for b in boundaries if b >= 8 for s in range(args.seeds)]
             latencies = sorted(s if s is not None else 10**6 for _, s in results)
             row: dict[str, object] = {
@@ -202,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
                         outcomes.append(_cache_check(kind, boundary, 1000 * boundary + seed))
                     else:
                         world = _World(kind, boundary, 1000 * boundary + seed)
-                        settled, num_steps = _check(world, args.pass_confidence)
+                        settled, num_steps = _check(world, args.pass_confidence,
+                                                    args.max_probe_steps)
                         outcomes.append((_best(world.cost), settled, num_steps))
             row = _row(kind, outcomes)
         row["wall_s"] = round(time.perf_counter() - start, 1)
