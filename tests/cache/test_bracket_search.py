@@ -137,3 +137,13 @@ def test_the_fitted_line_shrugs_off_disturbed_pairs() -> None:
     search.conclude(search.judge(3, *_pairs(0.015, 0.015, 0.015, 0.015), pairs_left=1))
     assert search.lo == 3 and search.fitted(10) == pytest.approx(0.05)
     assert search.next_candidate() == 10
+
+
+def test_the_examples_in_the_docstrings_run() -> None:
+    import doctest
+
+    from tba.cache.policy import bracket_search, closed_loop, paired_ratios
+
+    for module in (bracket_search, closed_loop, paired_ratios):
+        result = doctest.testmod(module, raise_on_error=False, verbose=False)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

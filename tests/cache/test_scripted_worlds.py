@@ -178,3 +178,12 @@ def test_sweep_drift_halving_the_best() -> None:
             if steps is None or steps > _MEASURED_STEPS:
                 late.append((boundary, seed, new_best, steps))
     assert not late, late
+
+
+def test_the_examples_in_the_docstrings_run() -> None:
+    import doctest
+
+    from tba.testing import _scripted_world
+
+    result = doctest.testmod(_scripted_world, raise_on_error=False, verbose=False)
+    assert result.attempted > 0 and result.failed == 0
