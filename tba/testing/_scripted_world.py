@@ -48,7 +48,7 @@ from tba.settings import CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD
 from tba.testing._fakes import FakeOffloader
 from tba.testing._probe import probe
 from tba.testing._step_timing import FakeStepClock, drive_closed_loop
-from tba.testing._wrapping import OffloaderWrapper
+from tba.offloaders.wrapper import OffloaderWrapper
 
 __all__ = ["ScriptedWorld"]
 
