@@ -1,0 +1,75 @@
+"""tba's custom ops in compiled graphs: ``tba::store``, ``tba::prefetch``, ``tba::reload``.
+
+Note [Effects as ops]: each op is a ``torch.library.custom_op`` with a fake implementation, so
+AOTAutograd, Inductor and ``aot_eager`` run them as they are, and is ordered by data alone:
+store ``i`` takes store ``i - 1``'s key (the stores run in graph order, which is what opens,
+fills and closes the cache's forward); a reload takes its group's key, the marker of the
+prefetch that started its load, and an *anchor*, the output of the node the reload was
+placed after, so no scheduler hoists it (and its memory) earlier; a prefetch takes an anchor
+too. All three are registered as side-effecting (``torch.fx.has_side_effect``: kept by dead
+code elimination and by Inductor, never constant-folded). The store requires its inputs at
+their exact traced strides (``needs_exact_strides``; the rewrite records the traced values as
+``eager_input_vals``), so the tensor the cache keeps has the geometry the reload's fake
+implementation promises backward. Outputs never alias inputs (custom ops may not), which is
+why the key and carriers are fresh tensors and anchors are outputs of ops that allocate
+(Note [Keys and shape carriers] in runtime.py).
+
+Registered when ``tba.compile`` is imported (never by ``import tba``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import has_side_effect
+
+from tba.compile import runtime
+
+__all__ = ["STORE", "PREFETCH", "RELOAD", "OPS"]
+
+
+@torch.library.custom_op("tba::store", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
+def _store(tensors: list[torch.Tensor], after: torch.Tensor | None, index: int, graph: int,
+           unit: str | None, last: bool) -> list[torch.Tensor]:
+    """Hand one storage's saved tensors to the tensor cache; returns the key and the members'
+    shape carriers (what backward gets instead of the tensors)."""
+    return runtime.store(tensors, index, graph, unit, last)
+
+
+@_store.register_fake
+def _store_fake(tensors: list[torch.Tensor], after: torch.Tensor | None, index: int, graph: int,
+                unit: str | None, last: bool) -> list[torch.Tensor]:
+    key = torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
+    return [key, *(runtime.carrier(tensor) for tensor in tensors)]
+
+
+@torch.library.custom_op("tba::prefetch", mutates_args=())
+def _prefetch(keys: list[torch.Tensor], anchor: torch.Tensor | None) -> torch.Tensor:
+    """Start loading the groups of ``keys``; returns a marker the groups' reloads take."""
+    return runtime.prefetch(keys)
+
+
+@_prefetch.register_fake
+def _prefetch_fake(keys: list[torch.Tensor], anchor: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.uint8, device=keys[0].device)
+
+
+@torch.library.custom_op("tba::reload", mutates_args=())
+def _reload(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
+            prefetched: torch.Tensor | None, anchor: torch.Tensor | None) -> torch.Tensor:
+    """Member ``member`` of ``key``'s group, back from the cache (waiting for its load)."""
+    return runtime.reload(key, shape, member, ndim)
+
+
+@_reload.register_fake
+def _reload_fake(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
+                 prefetched: torch.Tensor | None, anchor: torch.Tensor | None) -> torch.Tensor:
+    size, stride, _ = runtime.geometry(shape, ndim)
+    return torch.empty_strided(size, stride, dtype=shape.dtype, device=shape.device)
+
+
+STORE = torch.ops.tba.store.default
+PREFETCH = torch.ops.tba.prefetch.default
+RELOAD = torch.ops.tba.reload.default
+OPS = frozenset((STORE, PREFETCH, RELOAD))
+for _op in OPS:
+    has_side_effect(_op)

@@ -1,0 +1,180 @@
+"""Which saved activations of a partitioned forward graph tba stores, and after which node.
+
+Pure FX analysis of the forward graph AOTAutograd's partitioner produced (its outputs: the
+user's outputs, then the values saved for backward). Nothing here runs a graph.
+
+Note [What a compiled graph stores]: a saved value is stored when it is a tensor on one of the
+cache's ``offload_devices``, strided and not empty, computed from the graph's inputs (a value
+computed from constants alone is folded by Inductor), not a view of a graph input (parameters,
+buffers and the user's inputs are never offloaded) nor of a user-visible output (the caller
+holds those anyway), and not saved by a module of ``skip_modules``. Saved values that view one
+storage (a base and its views, or views of an unsaved base: the partitioner saves ``t(x)`` for
+a matmul's backward) form one *group*, stored by one op: identity is the storage of the fake
+tensors (Note [Storage stamps] is the eager twin), so an alias is never stored twice. A group
+is stored after the last forward use of any tensor viewing its storage, and belongs to the
+cache unit of that last use's module (``nn_module_stack``): the module whose op saved it,
+where eager mode's pack hook would have seen it (a block's output, saved by the next block's
+first op, belongs to the next block as in eager mode), so ``keep_last_modules`` and
+``summary()``'s block numbers mean the same blocks. Tested by tests/compile/test_plan.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import re
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["StoreGroup", "Rules", "plan_stores", "storage_key", "module_path", "normalize_path"]
+
+# Dynamo names a module by how the compiled frame reached it: L['self'].transformer.h[0],
+# L['self']._modules['lm_head'], L['self'].transformer.h.0.attn.
+_ROOT = re.compile(r"^[LG]\[['\"][^'\"]+['\"]\]")
+_INDEX = re.compile(r"\[(\d+)\]")
+_KEY = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
+_CONTAINERS = re.compile(r"\._(?:modules|parameters|buffers)(?=\.)")
+
+
+def normalize_path(raw: str) -> str:
+    """A Dynamo module path as ``named_modules`` spells it, relative to the compiled module.
+
+    Example:
+        >>> normalize_path("L['self'].transformer.h[0]._modules['attn']")
+        'transformer.h.0.attn'
+    """
+    path = _KEY.sub(r".\1", _INDEX.sub(r".\1", _ROOT.sub("", raw)))
+    return _CONTAINERS.sub("", path).lstrip(".")
+
+
+def module_path(node: fx.Node) -> str | None:
+    """The innermost module the node's op ran in (None: recorded in no module)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    raw = list(stack.values())[-1]
+    return normalize_path(raw[0] if isinstance(raw, tuple) else str(raw))
+
+
+def storage_key(node: fx.Node) -> StorageWeakRef | None:
+    """The identity of the storage a node's fake tensor views (None: no tensor)."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    return StorageWeakRef(value.untyped_storage())
+
+
+@dataclasses.dataclass
+class StoreGroup:
+    """The saved values viewing one storage, stored by one op.
+
+    Attributes:
+        members: the saved outputs viewing the storage, in output order.
+        after: the node after which the group is stored (its storage's last forward use).
+        unit: the cache unit the group belongs to (None: outside every unit).
+        module: the module path that decided ``unit`` ("" for the compiled module itself).
+    """
+
+    members: list[fx.Node]
+    after: fx.Node
+    unit: str | None
+    module: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """What the cache's configuration says about a saved value.
+
+    Attributes:
+        devices: device types whose tensors are offloaded (``offload_devices``).
+        unit_of: the unit a module path belongs to, or None.
+        skipped: whether a module path is under a module of ``skip_modules``.
+    """
+
+    devices: frozenset[str]
+    unit_of: Callable[[str], str | None]
+    skipped: Callable[[str], bool]
+
+
+def _candidate(node: fx.Node, rules: Rules) -> bool:
+    value = node.meta.get("val")
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type in rules.devices
+        and value.layout is torch.strided
+        and not value.is_quantized
+        and not node.meta.get("saved_tensor_with_no_vc_check", False)
+        and not _statically_empty(value)
+    )
+
+
+def _statically_empty(value: torch.Tensor) -> bool:
+    numel = value.numel()
+    return isinstance(numel, int) and numel == 0
+
+
+def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes computed from at least one graph input."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _keys(nodes: Iterable[object]) -> set[StorageWeakRef]:
+    keys = set()
+    for node in nodes:
+        if isinstance(node, fx.Node):
+            key = storage_key(node)
+            if key is not None:
+                keys.add(key)
+    return keys
+
+
+def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules,
+                is_ours: Callable[[fx.Node], bool] = lambda node: False) -> list[StoreGroup]:
+    """The groups to store in ``fw`` (Note [What a compiled graph stores]), in the order
+    their stores run. ``is_ours`` tells tba's own nodes (none before the rewrite)."""
+    graph = fw.graph
+    output = graph.find_nodes(op="output")[0]
+    outputs = list(output.args[0])
+    saved = outputs[num_fwd_outputs:]
+    excluded = _keys(graph.find_nodes(op="placeholder")) | _keys(outputs[:num_fwd_outputs])
+    computed = _from_inputs(graph)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    aliases: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in graph.nodes:
+        key = storage_key(node)
+        if key is not None:
+            aliases.setdefault(key, []).append(node)
+    members: dict[StorageWeakRef, list[fx.Node]] = {}
+    for node in dict.fromkeys(saved):  # a value saved twice is one member
+        if not isinstance(node, fx.Node) or node not in computed or not _candidate(node, rules):
+            continue
+        key = storage_key(node)
+        if key is not None and key not in excluded:
+            members.setdefault(key, []).append(node)
+    groups = []
+    for key, group in members.items():
+        users = sorted(
+            (user for alias in aliases[key] for user in alias.users
+             if user.op != "output" and not is_ours(user)),
+            key=order.__getitem__,
+        )
+        after = max([*users, *group], key=order.__getitem__)
+        path = next((p for p in map(module_path, reversed(users)) if p is not None), None)
+        if path is None:
+            path = next((p for p in map(module_path, group) if p is not None), None)
+        if path is not None and rules.skipped(path):
+            continue
+        groups.append(StoreGroup(group, after, rules.unit_of(path) if path is not None else None, path))
+    groups.sort(key=lambda g: (order[g.after], order[g.members[0]]))
+    return groups
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
