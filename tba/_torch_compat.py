@@ -204,6 +204,7 @@ setattr(tracing_for_tba, "_dynamo_marked_constant", True)
 
 
 _COMPILE_WRAPPER_FILE = os.path.join("_dynamo", "eval_frame.py")
+_COMPILE_WRAPPERS = ("compile_wrapper", "_fn")  # its name in torch 2.13, in older releases
 
 
 def running_for_tba() -> bool:
@@ -220,7 +221,7 @@ def running_for_tba() -> bool:
         if frame is None:
             return False
         code = frame.f_code
-        if code.co_name == "compile_wrapper" and code.co_filename.endswith(_COMPILE_WRAPPER_FILE):
+        if code.co_name in _COMPILE_WRAPPERS and code.co_filename.endswith(_COMPILE_WRAPPER_FILE):
             return _is_tba_backend(frame.f_locals.get("callback"))
     return False
 

@@ -11,9 +11,19 @@ last store closes the forward (``close_forward``). Reload ops hand the packed va
 step, every error. So the compiled path shares the engine, offloaders, accounting, stats,
 summary, trace and invariant checks with eager mode; what differs is only who calls them.
 
+Note [Compiled saves are plain views]: what a compiled graph hands a store is a tensor of
+the graph's own making (Inductor's ``reinterpret_tensor`` views have no ``_base`` and a
+version counter of their own, and a custom op's ``detach()`` starts a new counter), so the
+eager identity of Note [Version-counter families] cannot group them and the saved-version
+check would compare unrelated counters. The graph is functional (nothing writes a saved
+tensor; Note [Stored buffers are not reused] in tba/compile/backend.py), so a group is saved
+as plain views of its storage, all of one family made for the group: one entry per storage,
+one handle per member, the member's geometry kept in the handle, versions that agree.
+
 A store op that runs inside an eager forward of the same cache (a block compiled with
-``backend="tba"`` inside a model configured as usual) opens nothing: its tensors go to the
-scope the eager hooks opened. A run cut short by an exception is closed by the next run's
+``backend="tba"`` inside a model configured as usual) raises a TBAError: the eager forward's
+saved-tensor hooks would take the graph's keys at its return and hand back copies. Per-block
+compile keeps the default backend, with tba's hooks around the blocks. A run cut short by an exception is closed by the next run's
 first store on the thread (``tracker.abandon_forward``), as Note [Interrupted forwards] does
 for eager forwards. Tested by tests/compile/.
 """
@@ -26,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tba import _torch_compat as compat
 from tba.cache import interrupts
 from tba.cache.scopes import Unit
 from tba.errors import TBAError
@@ -43,7 +54,6 @@ _NO_UNIT = object()  # the open run has entered no unit yet
 class _ThreadRun(threading.local):
     def __init__(self) -> None:
         self.open = False  # a compiled forward of this cache is open on this thread
-        self.nested = False  # it runs inside an eager forward of the cache (opens nothing)
         self.unit: object = _NO_UNIT
 
 
@@ -90,27 +100,30 @@ class CompiledForwards:
         engine.raise_pending()
         interrupts.install()
         state, run = tracker.local, self._run
+        if state.ctx is not None:
+            raise TBAError(
+                "tba: a graph compiled with backend=\"tba\" ran inside an eager forward of the "
+                "configured model (a block compiled with backend=\"tba\"?): compile the whole "
+                "model with backend=\"tba\", or compile blocks with the default backend (tba's "
+                "hooks then run around them; docs/integrations.md, torch.compile)"
+            )
+        model = self._model()
+        if model is None:
+            raise TBAError("tba: a compiled graph ran after its model was collected")
         with engine.lock:
             if engine.released:
                 engine._drain_locked()
-            if run.open and not run.nested:
+            if run.open:
                 tracker.abandon_forward(state)  # the last run on this thread raised midway
             run.open, run.unit = True, _NO_UNIT
-            run.nested = state.ctx is not None
-            if not run.nested:
-                model = self._model()
-                if model is None:
-                    raise TBAError("tba: a compiled graph ran after its model was collected")
-                hooks.open_forward(model, inputs)
-                state.depth = 1
+            hooks.open_forward(model, inputs)
+            state.depth = 1
         if interrupts.pending:
             interrupts.raise_pending()
 
     def enter(self, name: str | None) -> None:
         """The next store belongs to unit ``name`` (None: outside every unit)."""
         run = self._run
-        if run.nested:
-            return
         unit = self.unit(name)
         if unit is run.unit:
             return
@@ -121,9 +134,35 @@ class CompiledForwards:
             hooks.enter_unit(unit)
         run.unit = unit
 
-    def save(self, tensor: torch.Tensor) -> Any:
-        """What autograd's pack hook would have kept for ``tensor``."""
-        return self.saved.pack(tensor)
+    def save_group(self, tensors: list[torch.Tensor]) -> list[Any]:
+        """What autograd's pack hook keeps, for each tensor of one storage's group (Note
+        [Compiled saves are plain views]): handles of one entry, or, for a storage tba does
+        not manage (no bytes of its own, a parameter's), the tensors themselves."""
+        saved = self.saved
+        engine = saved.engine
+        if engine.error is not None:
+            engine.raise_pending()
+        storage = tensors[0].untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in saved.param_ptrs:
+            return [(tensor, tensor._version) for tensor in tensors]
+        forward = saved.tracker.local.forward
+        units = forward.units
+        scope = units[-1][1] if units else None
+        if scope is None:
+            scope = forward.scope()
+        offload = saved.offloading and not scope.keep and forward.skip_depth == 0
+        views = [compat.view_on_storage(storage, t.dtype, t.size(), t.stride(), t.storage_offset())
+                 for t in tensors]
+        packed = []
+        for view in views:
+            handle, entry = engine.save(view, storage, views[0], scope, scope.record, offload)
+            if entry is not None:
+                saved.profile_bytes(scope, entry.nbytes)
+            packed.append(handle)
+        if interrupts.pending:
+            interrupts.raise_pending()
+        return packed
 
     def end(self) -> None:
         """The compiled forward's last store: close the forward."""
@@ -131,9 +170,6 @@ class CompiledForwards:
         if not run.open:
             return
         run.open = False
-        if run.nested:
-            run.nested = False
-            return
         hooks = self._live_hooks()
         engine = self.saved.engine
         if isinstance(run.unit, Unit):

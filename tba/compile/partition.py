@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from tba.cache.tensor_cache import TensorCache
 from tba.compile import runtime, verify
 from tba.compile.plan import Rules, StoreGroup, plan_stores
 from tba.compile.rewrite import rewrite_backward, rewrite_forward
+from tba.errors import TBAError
 
 __all__ = ["Partitioner", "GraphReport", "rules_for"]
 
@@ -95,10 +97,15 @@ class Partitioner(CustomPartitionerFn):
 
     def __init__(self, model: nn.Module, cache: TensorCache,
                  partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]] | None = None) -> None:
-        self._model = model
-        self._cache = cache
+        # Weakly: Inductor may keep its config (this object) with the compiled code, and a
+        # compiled graph must not keep the model or its cache alive.
+        self._model = weakref.ref(model)
+        self._cache = weakref.ref(cache)
         self._partition = partition or min_cut_rematerialization_partition
         self.reports: list[GraphReport] = []
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Partitioner:
+        return self  # Inductor copies its config (this is part of it) to key its caches
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Any,
                  **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -108,8 +115,10 @@ class Partitioner(CustomPartitionerFn):
 
     def rewrite(self, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
         """Plan, rewrite and check one partitioned pair in place."""
-        cache = self._cache
-        rules = rules_for(cache, self._model)
+        cache, model = self._cache(), self._model()
+        if cache is None or model is None or cache.closed:
+            raise TBAError("tba: the tensor cache was closed while its model was being compiled")
+        rules = rules_for(cache, model)
         groups = plan_stores(fw, num_fwd_outputs, rules)
         output = fw.graph.find_nodes(op="output")[0]
         num_saved = len(output.args[0]) - num_fwd_outputs
@@ -117,7 +126,7 @@ class Partitioner(CustomPartitionerFn):
             rules, devices=frozenset(("cpu", "cuda", "xpu", "mps", "hpu")) - rules.devices))
         graph_id = -1
         if groups:
-            graph_id = runtime.register_graph(self._model, cache, len(groups))
+            graph_id = runtime.register_graph(model, cache, len(groups))
             swaps = rewrite_forward(fw, groups, num_fwd_outputs, graph_id)
             rewrite_backward(bw, swaps, cache.config.prefetch_modules)
             verify.check_forward(fw, num_fwd_outputs)

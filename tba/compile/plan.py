@@ -11,8 +11,10 @@ holds those anyway), and not saved by a module of ``skip_modules``. Saved values
 storage (a base and its views, or views of an unsaved base: the partitioner saves ``t(x)`` for
 a matmul's backward) form one *group*, stored by one op: identity is the storage of the fake
 tensors (Note [Storage stamps] is the eager twin), so an alias is never stored twice. A group
-is stored after the last forward use of any tensor viewing its storage, and belongs to the
-cache unit of that last use's module (``nn_module_stack``): the module whose op saved it,
+is stored after the last forward use of any tensor viewing its storage (an op that reads it;
+making another view of it is no use: views that only backward needs, which the partitioner
+puts at the end of forward, move up to the store), and belongs to the cache unit of that last
+use's module (``nn_module_stack``): the module whose op saved it,
 where eager mode's pack hook would have seen it (a block's output, saved by the next block's
 first op, belongs to the next block as in eager mode), so ``keep_last_modules`` and
 ``summary()``'s block numbers mean the same blocks. Tested by tests/compile/test_plan.py.
@@ -21,7 +23,6 @@ first op, belongs to the next block as in eager mode), so ``keep_last_modules`` 
 from __future__ import annotations
 
 import dataclasses
-import operator
 import re
 from collections.abc import Callable, Iterable
 
@@ -29,7 +30,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["StoreGroup", "Rules", "plan_stores", "storage_key", "module_path", "normalize_path"]
+__all__ = ["StoreGroup", "Rules", "plan_stores", "storage_key", "reads", "module_path", "normalize_path"]
 
 # Dynamo names a module by how the compiled frame reached it: L['self'].transformer.h[0],
 # L['self']._modules['lm_head'], L['self'].transformer.h.0.attn.
@@ -76,12 +77,15 @@ class StoreGroup:
         after: the node after which the group is stored (its storage's last forward use).
         unit: the cache unit the group belongs to (None: outside every unit).
         module: the module path that decided ``unit`` ("" for the compiled module itself).
+        moved: views of the storage, defined after ``after``, that make members and move to
+            ``after`` (in graph order).
     """
 
     members: list[fx.Node]
     after: fx.Node
     unit: str | None
     module: str | None
+    moved: list[fx.Node] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,21 +164,59 @@ def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules,
             members.setdefault(key, []).append(node)
     groups = []
     for key, group in members.items():
+        viewers = aliases[key]
         users = sorted(
-            (user for alias in aliases[key] for user in alias.users
-             if user.op != "output" and not is_ours(user)),
+            (user for alias in viewers for user in alias.users
+             if reads(user, key) and not is_ours(user)),
             key=order.__getitem__,
         )
-        after = max([*users, *group], key=order.__getitem__)
+        made = [alias for alias in viewers if not any(views(a, key) for a in alias.all_input_nodes)]
+        after = max([*users, *made], key=order.__getitem__)
+        moved: list[fx.Node] = []
+        for member in group:
+            chain = _late_views(member, key, order, order[after])
+            if chain is None:
+                after = max(after, member, key=order.__getitem__)
+            else:
+                moved.extend(node for node in chain if node not in moved)
+        moved = sorted((n for n in moved if order[n] > order[after]), key=order.__getitem__)
         path = next((p for p in map(module_path, reversed(users)) if p is not None), None)
         if path is None:
             path = next((p for p in map(module_path, group) if p is not None), None)
         if path is not None and rules.skipped(path):
             continue
-        groups.append(StoreGroup(group, after, rules.unit_of(path) if path is not None else None, path))
+        unit = rules.unit_of(path) if path is not None else None
+        groups.append(StoreGroup(group, after, unit, path, moved))
     groups.sort(key=lambda g: (order[g.after], order[g.members[0]]))
     return groups
 
 
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
+def views(node: fx.Node, key: StorageWeakRef) -> bool:
+    """Whether ``node``'s value is a tensor on the storage ``key``."""
+    found = storage_key(node)
+    return found is not None and found == key
+
+
+def reads(user: fx.Node, key: StorageWeakRef) -> bool:
+    """Whether ``user`` is a use of the storage ``key`` (an op that reads it, not the output
+    and not another view of it: a view of an alias reads nothing)."""
+    return user.op != "output" and not views(user, key)
+
+
+def _late_views(member: fx.Node, key: StorageWeakRef, order: dict[fx.Node, int],
+                bound: int) -> list[fx.Node] | None:
+    """The views of ``key`` that make ``member``, defined after position ``bound`` (the
+    partitioner puts views that only backward needs, such as a matmul's ``t(x)``, at the end of
+    forward), if all of them can move to ``bound``: nothing but views of the storage or
+    values defined before ``bound`` go into them. None when they cannot."""
+    chain: list[fx.Node] = []
+    pending = [member]
+    while pending:
+        node = pending.pop()
+        if order[node] <= bound or node in chain:
+            continue
+        if not views(node, key) or node.op != "call_function":
+            return None
+        chain.append(node)
+        pending.extend(node.all_input_nodes)
+    return chain

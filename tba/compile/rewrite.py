@@ -67,8 +67,13 @@ def rewrite_forward(fw: fx.GraphModule, groups: list[StoreGroup], num_fwd_output
     chain: fx.Node | None = None
     for index, group in enumerate(groups):
         after = group.after
-        if previous_end is not None and order.get(after, -1) <= order.get(previous_end, -1):
+        if previous_end is not None and order[after] <= order[previous_end]:
             after = previous_end  # a later store never runs before an earlier one
+        slot = order[after]
+        for node in group.moved:  # views only backward needs, up to the store
+            after.append(node)
+            after = node
+            order[node] = slot
         values = [member.meta["val"] for member in group.members]
         last = index == len(groups) - 1
         args = (list(group.members), chain, index, graph_id, group.unit, last)
@@ -84,7 +89,7 @@ def rewrite_forward(fw: fx.GraphModule, groups: list[StoreGroup], num_fwd_output
             with graph.inserting_after(cursor):
                 cursor = _call(graph, operator.getitem, (store, i), name, value)
             items.append(cursor)
-        order[store] = order[cursor] = order[after]  # same slot: ties resolve to insertion
+        order[store] = order[cursor] = slot  # one slot: ties resolve to insertion order
         previous_end = cursor
         chain = items[0]
         swaps.append(Swap(group, index, items[0], items[1:]))

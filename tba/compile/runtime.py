@@ -109,7 +109,7 @@ class _Run(threading.local):
         self.graph = -1
         self.next = 0
         self.seam: CompiledForwards | None = None
-        self.entries: dict[int, int] | None = None  # id(entry) -> store index (invariants)
+        self.stored: dict[int, int] | None = None  # storage stamp -> store index (invariants)
 
 
 _run = _Run()
@@ -137,7 +137,7 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, unit: str | No
         seam = _seam(graph_id)
         seam.begin(tensors)
         run.graph, run.next, run.seam = graph_id, 0, seam
-        run.entries = {} if _env.check_invariants() else None
+        run.stored = {} if _env.check_invariants() else None
     elif run.graph != graph_id or run.next != index or run.seam is None:
         raise AssertionError(
             f"tba bug: store {index} of compiled graph {graph_id} ran out of order (expected "
@@ -146,9 +146,9 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, unit: str | No
     seam = run.seam
     assert seam is not None
     seam.enter(unit)
-    packed = [seam.save(tensor) for tensor in tensors]
-    if run.entries is not None:
-        _check_stored_once(run.entries, packed, index)
+    packed = seam.save_group(tensors)
+    if run.stored is not None:
+        _check_stored_once(run.stored, packed, index)
     for observer in _observers:
         for tensor in tensors:
             observer(tensor, "saved")
@@ -156,19 +156,19 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, unit: str | No
     setattr(key.untyped_storage(), KEY_ATTR, (seam.saved, packed))
     run.next = index + 1
     if last:
-        run.graph, run.seam, run.entries = -1, None, None
+        run.graph, run.seam, run.stored = -1, None, None
         seam.end()
     return [key, *(carrier(tensor) for tensor in tensors)]
 
 
-def _check_stored_once(entries: dict[int, int], packed: list[Any], index: int) -> None:
+def _check_stored_once(stored: dict[int, int], packed: list[Any], index: int) -> None:
     """Note [What a compiled graph stores]: one store op per storage. With
-    ``TBA_CHECK_INVARIANTS=1`` a storage that an earlier store of the same run already stored
-    is a planning bug (an alias stored twice)."""
+    ``TBA_CHECK_INVARIANTS=1`` a storage (its stamp: Note [Storage stamps]) that an earlier
+    store of the same run already took is a planning bug (an alias stored twice)."""
     for value in packed:
         if type(value) is not Handle:
             continue
-        first = entries.setdefault(id(value.entry), index)
+        first = stored.setdefault(value.entry.stamp, index)
         if first != index:
             raise TBAError(
                 f"tba invariant violated: store {index} of a compiled graph saved a storage that "

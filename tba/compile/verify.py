@@ -22,7 +22,7 @@ import operator
 from torch import fx
 
 from tba.compile import ops
-from tba.compile.plan import storage_key
+from tba.compile.plan import reads, storage_key
 
 __all__ = ["check_forward", "check_backward"]
 
@@ -64,7 +64,7 @@ def check_forward(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
         stored[key] = store
         for viewer in viewers.get(key, []):
             for user in viewer.users:
-                if user.op != "output" and not _is_ours(user) and order[user] > order[store]:
+                if reads(user, key) and not _is_ours(user) and order[user] > order[store]:
                     _fail(f"{store.name} stores {viewer.name}, still used later in forward by "
                           f"{user.name}")
         previous_key = next(u for u in store.users if u.args[1] == 0)

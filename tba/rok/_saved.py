@@ -119,6 +119,12 @@ class SavedActivationMeter:
                 self._current = -1
                 self._live.clear()
 
+    def observe(self, tensor: torch.Tensor, kind: str) -> None:
+        """Count ``tensor`` (saved, recomputed or reloaded: ``KINDS``) while measuring, as
+        the meter's own hooks would; for saves that reach no saved-tensor hook (the stores and
+        reloads inside a graph compiled with ``backend="tba"``: ``tba.compile.watch``)."""
+        self._track(tensor, kind)
+
     def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager[Any], ...]:
         """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: while measuring, counts what
         a checkpointed block saves when backward recomputes it; otherwise does nothing."""
