@@ -17,7 +17,7 @@ import torch.autograd.profiler as _autograd_profiler
 __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
     "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "is_compiling",
-    "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "tracing_for_tba", "running_for_tba",
+    "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "tracing_for_tba", "running_for_tba", "is_tba_backend",
     "TBA_BACKEND_ATTR", "capturing", "STAMP_ATTR",
     "FAMILY_ATTR", "graph_task_id", "queue_end_of_backward", "top_saved_tensors_hooks",
     "wrap_saved_tensor_register_hooks", "unwrap_saved_tensor_register_hooks",
@@ -197,7 +197,7 @@ def tracing_for_tba() -> bool:
         tx = InstructionTranslator.current_tx()
     except (ImportError, AttributeError):  # pragma: no cover - another torch
         return False
-    return _is_tba_backend(getattr(getattr(tx, "output", None), "compiler_fn", None))
+    return is_tba_backend(getattr(getattr(tx, "output", None), "compiler_fn", None))
 
 
 setattr(tracing_for_tba, "_dynamo_marked_constant", True)
@@ -222,11 +222,11 @@ def running_for_tba() -> bool:
             return False
         code = frame.f_code
         if code.co_name in _COMPILE_WRAPPERS and code.co_filename.endswith(_COMPILE_WRAPPER_FILE):
-            return _is_tba_backend(frame.f_locals.get("callback"))
+            return is_tba_backend(frame.f_locals.get("callback"))
     return False
 
 
-def _is_tba_backend(fn: object) -> bool:
+def is_tba_backend(fn: object) -> bool:
     """Whether ``fn`` is tba's backend or one of the wrappers Dynamo and ``torch.compile`` put
     around a backend (checked against torch 2.13)."""
     for _ in range(16):  # a handful of wrappers at most; never loop on a cycle

@@ -1,12 +1,15 @@
 """`CompiledForwards`: the cache's side of graphs compiled by tba's backend (tba/compile).
 
 Note [The cache under compiled graphs]: in a graph compiled with ``backend="tba"`` tba's
-module hooks trace to nothing and the graph's store ops do their work, in graph order: the
-first store of a run opens the forward (``CacheHooks.open_forward``, as the root pre-hook
-does: record, step, profile, tail), each store enters its group's unit (``enter_unit``, as a
-unit's pre-hook does) and hands the tensors to ``SavedTensors.pack`` exactly as autograd would
-have (dedup, parameters, devices, the version check, the policy's keep or offload), and the
-last store closes the forward (``close_forward``). Reload ops hand the packed values to
+module hooks trace to nothing and the graph's store ops do their work, in graph order. The
+model's own hooks are not traced (Dynamo skips ``Module._call_impl``): they run eagerly around
+the compiled forward and open and close its record (``CacheHooks.open_forward`` and
+``close_forward``: step, profile, tail) without entering saved-tensor hooks, so every graph of
+one forward (the model's own graph breaks make several) saves into one record. Where the
+configured model's hooks were traced instead (a module around it was compiled), the first
+store of a graph opens the forward and its last store closes it. Each store enters its
+group's unit (``enter_unit``, as a unit's pre-hook does) and hands the tensors to the engine
+as the pack hook would have (dedup, parameters, the policy's keep or offload: ``save_group``). Reload ops hand the packed values to
 ``SavedTensors.unpack``: fetch, stall accounting, the end-of-backward callback that ends the
 step, every error. So the compiled path shares the engine, offloaders, accounting, stats,
 summary, trace and invariant checks with eager mode; what differs is only who calls them.
@@ -16,7 +19,7 @@ the graph's own making (Inductor's ``reinterpret_tensor`` views have no ``_base`
 version counter of their own, and a custom op's ``detach()`` starts a new counter), so the
 eager identity of Note [Version-counter families] cannot group them and the saved-version
 check would compare unrelated counters. The graph is functional (nothing writes a saved
-tensor; Note [Stored buffers are not reused] in tba/compile/backend.py), so a group is saved
+tensor; Note [Stored buffers are not reused] in tba/compile/compiler.py), so a group is saved
 as plain views of its storage, all of one family made for the group: one entry per storage,
 one handle per member, the member's geometry kept in the handle, versions that agree.
 
@@ -30,6 +33,7 @@ for eager forwards. Tested by tests/compile/.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -53,7 +57,8 @@ _NO_UNIT = object()  # the open run has entered no unit yet
 
 class _ThreadRun(threading.local):
     def __init__(self) -> None:
-        self.open = False  # a compiled forward of this cache is open on this thread
+        self.open = False  # a compiled graph's stores run on this thread
+        self.nested = False  # in a forward the model's own hooks opened
         self.unit: object = _NO_UNIT
 
 
@@ -72,15 +77,49 @@ class CompiledForwards:
         self.saved: SavedTensors = cache._saved
         self.config = cache.config
         self._units = {unit.name: unit for unit in cache.units}
+        self._longest_first = sorted(self._units, key=len, reverse=True)
+        self._paths: dict[str, Unit | None] = {}
+        self._names: dict[int, str] = {}  # parameter and buffer data pointers -> their names
         self._run = _ThreadRun()
 
     @property
     def closed(self) -> bool:
         return self.saved.closed
 
-    def unit(self, name: str | None) -> Unit | None:
-        """The cache's unit called ``name`` (None: outside every unit)."""
-        return self._units.get(name) if name is not None else None
+    def unit_of(self, path: str) -> Unit | None:
+        """The unit a module at ``path`` (as ``named_modules`` spells it) runs in, or None."""
+        if path not in self._paths:
+            found = None
+            for name in self._longest_first:
+                if name == "" or path == name or path.startswith(name + "."):
+                    found = self._units[name]
+                    break
+            self._paths[path] = found
+        return self._paths[path]
+
+    def unit_at(self, module: str | None, marker: torch.Tensor | None,
+                marker_path: str | None) -> Unit | None:
+        """The unit of a group saved in ``module``, a path relative to the module whose frame
+        was compiled; ``marker``, a parameter of that frame at ``marker_path``, tells where
+        the frame is in the model (Note [Units at run time] in tba/compile/plan.py)."""
+        prefix = ""
+        if marker is not None and marker_path:
+            name = self._name_of(marker)
+            if name is not None and (name == marker_path or name.endswith("." + marker_path)):
+                prefix = name[: len(name) - len(marker_path)]
+        path = prefix + module if module else prefix[:-1]
+        return self.unit_of(path) if path else self.unit_of("") if "" in self._units else None
+
+    def _name_of(self, tensor: torch.Tensor) -> str | None:
+        ptr = tensor.data_ptr()
+        name = self._names.get(ptr)
+        if name is None:
+            model = self._model()
+            if model is not None:  # parameters moved since the names were read: read again
+                self._names = {t.data_ptr(): n for n, t in itertools.chain(
+                    model.named_parameters(), model.named_buffers())}
+                name = self._names.get(ptr)
+        return name
 
     def _live_hooks(self) -> CacheHooks:
         hooks = self._hooks()
@@ -113,18 +152,18 @@ class CompiledForwards:
         with engine.lock:
             if engine.released:
                 engine._drain_locked()
-            if run.open:
+            if run.open and not run.nested:
                 tracker.abandon_forward(state)  # the last run on this thread raised midway
-            run.open, run.unit = True, _NO_UNIT
-            hooks.open_forward(model, inputs)
-            state.depth = 1
+            run.open, run.unit, run.nested = True, _NO_UNIT, state.compiled
+            if not run.nested:
+                hooks.open_forward(model, inputs)
+                state.depth = 1
         if interrupts.pending:
             interrupts.raise_pending()
 
-    def enter(self, name: str | None) -> None:
-        """The next store belongs to unit ``name`` (None: outside every unit)."""
+    def enter(self, unit: Unit | None) -> None:
+        """The next store belongs to ``unit`` (None: outside every unit)."""
         run = self._run
-        unit = self.unit(name)
         if unit is run.unit:
             return
         hooks = self._live_hooks()
@@ -175,9 +214,10 @@ class CompiledForwards:
         if isinstance(run.unit, Unit):
             hooks.exit_unit(run.unit)
         run.unit = _NO_UNIT
-        with engine.lock:
-            self.saved.tracker.local.depth = 0
-            hooks.close_forward()
+        if not run.nested:
+            with engine.lock:
+                self.saved.tracker.local.depth = 0
+                hooks.close_forward()
         engine.flush()
         if interrupts.pending:
             interrupts.raise_pending()

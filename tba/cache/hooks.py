@@ -147,7 +147,8 @@ class CacheHooks:
     # ------------------------------------------------------------------ module hooks
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if compat.running_for_tba():
-            return  # the compiled graph's ops do this forward's work (tba/cache/compiled.py)
+            self._open_compiled(module, (args, kwargs))
+            return
         if not torch.is_grad_enabled() or compat.in_backward():
             if self.on_forward_skipped is not None:
                 self.on_forward_skipped(compat.in_backward())
@@ -167,6 +168,29 @@ class CacheHooks:
                 tracker.abandon_forward(state)  # Note [Interrupted forwards]
             if not state.depth:
                 self._begin_forward(module, (args, kwargs), caller)
+            state.depth += 1
+        if interrupts.pending:
+            interrupts.raise_pending()
+
+    def _open_compiled(self, model: nn.Module, inputs: Any) -> None:
+        """The model's forward runs compiled with ``backend="tba"`` (its own hooks run
+        eagerly around the compiled code): open its record, enter no saved-tensor hooks; the
+        graphs' store ops save into it (Note [The cache under compiled graphs])."""
+        if not torch.is_grad_enabled() or compat.in_backward():
+            return
+        engine, tracker = self.engine, self.tracker
+        engine.raise_pending()
+        state = tracker.local
+        caller = torch_caller()
+        interrupts.install()
+        with engine.lock:
+            if engine.released:
+                engine._drain_locked()
+            if state.depth and not on_stack(state.caller_id, caller):
+                tracker.abandon_forward(state)  # Note [Interrupted forwards]
+            if not state.depth:
+                self.open_forward(model, inputs)
+                state.compiled, state.caller_id = True, id(caller)
             state.depth += 1
         if interrupts.pending:
             interrupts.raise_pending()
@@ -209,7 +233,7 @@ class CacheHooks:
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self.tracker.local
-        if state.ctx is None or compat.in_backward():
+        if (state.ctx is None and not state.compiled) or compat.in_backward():
             return
         engine = self.engine
         with engine.lock:

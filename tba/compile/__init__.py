@@ -28,7 +28,7 @@ Example:
 """
 
 from tba.compile import ops  # noqa: F401  (registers tba::store, tba::prefetch, tba::reload)
-from tba.compile.backend import INNER_COMPILERS, backend
+from tba.compile.compiler import INNER_COMPILERS, backend
 from tba.compile.partition import GraphReport, Partitioner
 from tba.compile.runtime import watch
 

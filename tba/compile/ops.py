@@ -29,15 +29,18 @@ __all__ = ["STORE", "PREFETCH", "RELOAD", "OPS"]
 
 @torch.library.custom_op("tba::store", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def _store(tensors: list[torch.Tensor], after: torch.Tensor | None, index: int, graph: int,
-           unit: str | None, last: bool) -> list[torch.Tensor]:
+           module: str | None, marker: torch.Tensor | None, marker_path: str | None,
+           last: bool) -> list[torch.Tensor]:
     """Hand one storage's saved tensors to the tensor cache; returns the key and the members'
-    shape carriers (what backward gets instead of the tensors)."""
-    return runtime.store(tensors, index, graph, unit, last)
+    shape carriers (what backward gets instead of the tensors). ``module``, ``marker`` and
+    ``marker_path`` tell its unit (Note [Units at run time] in plan.py)."""
+    return runtime.store(tensors, index, graph, module, marker, marker_path, last)
 
 
 @_store.register_fake
 def _store_fake(tensors: list[torch.Tensor], after: torch.Tensor | None, index: int, graph: int,
-                unit: str | None, last: bool) -> list[torch.Tensor]:
+                module: str | None, marker: torch.Tensor | None, marker_path: str | None,
+                last: bool) -> list[torch.Tensor]:
     key = torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
     return [key, *(runtime.carrier(tensor) for tensor in tensors)]
 

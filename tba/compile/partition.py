@@ -17,6 +17,7 @@ from torch import fx, nn
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from tba.cache.compiled import CompiledForwards, compiled_forwards
 from tba.cache.scopes import matches
 from tba.cache.tensor_cache import TensorCache
 from tba.compile import runtime, verify
@@ -50,13 +51,6 @@ class GraphReport:
     num_off_device: int
 
 
-def _unit_of(names: tuple[str, ...], path: str) -> str | None:
-    for name in names:  # longest first
-        if name == "" or path == name or path.startswith(name + "."):
-            return name
-    return None
-
-
 def _skipped(model: nn.Module, specs: tuple[Any, ...], path: str) -> bool:
     if not specs or not path:
         return False
@@ -72,14 +66,21 @@ def _skipped(model: nn.Module, specs: tuple[Any, ...], path: str) -> bool:
     return False
 
 
-def rules_for(cache: TensorCache, model: nn.Module) -> Rules:
-    """What ``cache``'s configuration says about saved values of ``model``'s graphs."""
-    names = tuple(sorted((unit.name for unit in cache.units), key=len, reverse=True))
+def _unit_name(seam: CompiledForwards, path: str) -> str | None:
+    unit = seam.unit_of(path)
+    return unit.name if unit is not None else None
+
+
+def rules_for(cache: TensorCache, model: nn.Module,
+              input_paths: tuple[str | None, ...] = ()) -> Rules:
+    """What ``cache``'s configuration says about saved values of ``model``'s graphs (paths
+    taken as the model's own: Note [Units at run time])."""
     return Rules(
         devices=frozenset(cache.config.offload_devices),
-        unit_of=functools.lru_cache(maxsize=None)(functools.partial(_unit_of, names)),
+        unit_of=functools.partial(_unit_name, compiled_forwards(cache)),
         skipped=functools.lru_cache(maxsize=None)(
             functools.partial(_skipped, model, tuple(cache.config.skip_modules))),
+        input_paths=input_paths,
     )
 
 
@@ -93,15 +94,18 @@ class Partitioner(CustomPartitionerFn):
         cache: its tensor cache at compile time (the graph uses whichever cache the model has
             when it runs).
         partition: the partition function to wrap (min-cut by default).
+        input_paths: ``Rules.input_paths`` of the compiled frame.
     """
 
     def __init__(self, model: nn.Module, cache: TensorCache,
-                 partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]] | None = None) -> None:
+                 partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]] | None = None,
+                 input_paths: tuple[str | None, ...] = ()) -> None:
         # Weakly: Inductor may keep its config (this object) with the compiled code, and a
         # compiled graph must not keep the model or its cache alive.
         self._model = weakref.ref(model)
         self._cache = weakref.ref(cache)
         self._partition = partition or min_cut_rematerialization_partition
+        self._input_paths = input_paths
         self.reports: list[GraphReport] = []
 
     def __deepcopy__(self, memo: dict[int, object]) -> Partitioner:
@@ -118,7 +122,7 @@ class Partitioner(CustomPartitionerFn):
         cache, model = self._cache(), self._model()
         if cache is None or model is None or cache.closed:
             raise TBAError("tba: the tensor cache was closed while its model was being compiled")
-        rules = rules_for(cache, model)
+        rules = rules_for(cache, model, self._input_paths)
         groups = plan_stores(fw, num_fwd_outputs, rules)
         output = fw.graph.find_nodes(op="output")[0]
         num_saved = len(output.args[0]) - num_fwd_outputs

@@ -18,6 +18,15 @@ use's module (``nn_module_stack``): the module whose op saved it,
 where eager mode's pack hook would have seen it (a block's output, saved by the next block's
 first op, belongs to the next block as in eager mode), so ``keep_last_modules`` and
 ``summary()``'s block numbers mean the same blocks. Tested by tests/compile/test_plan.py.
+
+Note [Units at run time]: module paths in a graph are relative to the module whose frame
+Dynamo compiled: the model for a whole-model graph, a block when the model's own graph breaks
+make Dynamo compile a block's ``forward`` as a frame of its own, and then one graph serves
+every block (its parameters are inputs). So each store also takes a *marker*, a parameter of
+the module its group belongs to, and its path in the frame: at run time the cache finds that
+parameter's name in the model (``blocks.2.up.weight`` for ``up.weight``), hence the frame's
+place in the model (``blocks.2.``) and the group's unit. Without a parameter input the path is
+taken as the model's own. Tested by tests/compile/test_backend.py (graph breaks).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ __all__ = ["StoreGroup", "Rules", "plan_stores", "storage_key", "reads", "module
 
 # Dynamo names a module by how the compiled frame reached it: L['self'].transformer.h[0],
 # L['self']._modules['lm_head'], L['self'].transformer.h.0.attn.
+_PRIMAL = re.compile(r"primals_(\d+)")
 _ROOT = re.compile(r"^[LG]\[['\"][^'\"]+['\"]\]")
 _INDEX = re.compile(r"\[(\d+)\]")
 _KEY = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
@@ -79,6 +89,8 @@ class StoreGroup:
         module: the module path that decided ``unit`` ("" for the compiled module itself).
         moved: views of the storage, defined after ``after``, that make members and move to
             ``after`` (in graph order).
+        marker: a parameter input of the module at ``module`` and its path in the frame
+            (Note [Units at run time]), or None.
     """
 
     members: list[fx.Node]
@@ -86,6 +98,7 @@ class StoreGroup:
     unit: str | None
     module: str | None
     moved: list[fx.Node] = dataclasses.field(default_factory=list)
+    marker: tuple[fx.Node, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +109,14 @@ class Rules:
         devices: device types whose tensors are offloaded (``offload_devices``).
         unit_of: the unit a module path belongs to, or None.
         skipped: whether a module path is under a module of ``skip_modules``.
+        input_paths: for each input of the compiled frame, the path of the parameter or
+            buffer it is, relative to the frame's module (None: not one).
     """
 
     devices: frozenset[str]
     unit_of: Callable[[str], str | None]
     skipped: Callable[[str], bool]
+    input_paths: tuple[str | None, ...] = ()
 
 
 def _candidate(node: fx.Node, rules: Rules) -> bool:
@@ -139,10 +155,30 @@ def _keys(nodes: Iterable[object]) -> set[StorageWeakRef]:
     return keys
 
 
-def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules,
-                is_ours: Callable[[fx.Node], bool] = lambda node: False) -> list[StoreGroup]:
+def _parameters(graph: fx.Graph, paths: tuple[str | None, ...]) -> list[tuple[fx.Node, str]]:
+    """The forward's parameter inputs with their paths (AOTAutograd names the frame's inputs
+    ``primals_1``, ``primals_2``, ... in order)."""
+    found = []
+    for node in graph.find_nodes(op="placeholder"):
+        match = _PRIMAL.fullmatch(node.name)
+        index = int(match.group(1)) - 1 if match else -1
+        if 0 <= index < len(paths) and paths[index] is not None:
+            found.append((node, paths[index]))
+    return found
+
+
+def _marker(parameters: list[tuple[fx.Node, str]], path: str | None) -> tuple[fx.Node, str] | None:
+    """A parameter of the module at ``path`` if it has one, else any parameter of the frame
+    (it tells where the frame is in the model all the same)."""
+    for node, name in parameters:
+        if path and name.startswith(path + "."):
+            return node, name
+    return parameters[0] if parameters else None
+
+
+def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules) -> list[StoreGroup]:
     """The groups to store in ``fw`` (Note [What a compiled graph stores]), in the order
-    their stores run. ``is_ours`` tells tba's own nodes (none before the rewrite)."""
+    their stores run."""
     graph = fw.graph
     output = graph.find_nodes(op="output")[0]
     outputs = list(output.args[0])
@@ -150,6 +186,7 @@ def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules,
     excluded = _keys(graph.find_nodes(op="placeholder")) | _keys(outputs[:num_fwd_outputs])
     computed = _from_inputs(graph)
     order = {node: i for i, node in enumerate(graph.nodes)}
+    parameters = _parameters(graph, rules.input_paths)
     aliases: dict[StorageWeakRef, list[fx.Node]] = {}
     for node in graph.nodes:
         key = storage_key(node)
@@ -166,8 +203,7 @@ def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules,
     for key, group in members.items():
         viewers = aliases[key]
         users = sorted(
-            (user for alias in viewers for user in alias.users
-             if reads(user, key) and not is_ours(user)),
+            (user for alias in viewers for user in alias.users if reads(user, key)),
             key=order.__getitem__,
         )
         made = [alias for alias in viewers if not any(views(a, key) for a in alias.all_input_nodes)]
@@ -186,7 +222,7 @@ def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules,
         if path is not None and rules.skipped(path):
             continue
         unit = rules.unit_of(path) if path is not None else None
-        groups.append(StoreGroup(group, after, unit, path, moved))
+        groups.append(StoreGroup(group, after, unit, path, moved, _marker(parameters, path)))
     groups.sort(key=lambda g: (order[g.after], order[g.members[0]]))
     return groups
 

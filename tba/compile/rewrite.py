@@ -76,12 +76,15 @@ def rewrite_forward(fw: fx.GraphModule, groups: list[StoreGroup], num_fwd_output
             order[node] = slot
         values = [member.meta["val"] for member in group.members]
         last = index == len(groups) - 1
-        args = (list(group.members), chain, index, graph_id, group.unit, last)
+        marker, marker_path = group.marker or (None, None)
+        args = (list(group.members), chain, index, graph_id, group.module, marker, marker_path, last)
         with _fake_mode(group.members[0]):
-            outputs = ops._store_fake(values, None, index, graph_id, group.unit, last)
+            outputs = ops._store_fake(values, None, index, graph_id, None, None, None, last)
         with graph.inserting_after(after):
             store = _call(graph, ops.STORE, args, f"tba_store_{index}", outputs)
-        store.meta["eager_input_vals"] = ((values, None, index, graph_id, group.unit, last), {})
+        fakes = (values, None, index, graph_id, group.module,
+                 marker.meta["val"] if marker is not None else None, marker_path, last)
+        store.meta["eager_input_vals"] = (fakes, {})
         items = []
         cursor = store
         for i, value in enumerate(outputs):

@@ -128,8 +128,8 @@ def geometry(shape: torch.Tensor, ndim: int) -> tuple[list[Any], list[Any], Any]
     return dims[:ndim], dims[ndim:2 * ndim], dims[2 * ndim]
 
 
-def store(tensors: list[torch.Tensor], index: int, graph_id: int, unit: str | None,
-          last: bool) -> list[torch.Tensor]:
+def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | None,
+          marker: torch.Tensor | None, marker_path: str | None, last: bool) -> list[torch.Tensor]:
     """``tba::store``: hand one group's tensors to the cache (Note [The cache under compiled
     graphs] in tba/cache/compiled.py); returns its key and the members' shape carriers."""
     run = _run
@@ -145,7 +145,7 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, unit: str | No
         )
     seam = run.seam
     assert seam is not None
-    seam.enter(unit)
+    seam.enter(seam.unit_at(module, marker, marker_path))
     packed = seam.save_group(tensors)
     if run.stored is not None:
         _check_stored_once(run.stored, packed, index)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
 
 from tba.compile import ops
@@ -48,7 +49,7 @@ def check_forward(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
     stored: dict[object, fx.Node] = {}
     previous_key: fx.Node | None = None
     for index, store in enumerate(stores):
-        members, chain, number, _, _, last = store.args
+        members, chain, number, *_, last = store.args
         if number != index or chain is not previous_key or last != (index == len(stores) - 1):
             _fail(f"{store.name} is store {number} after {chain}, expected store {index} "
                   f"after {previous_key}")
@@ -80,10 +81,14 @@ def _is_ours(node: fx.Node) -> bool:
 def check_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
     outputs = list(fw.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
-    saved_names = [node.name for node in outputs if isinstance(node, fx.Node)]
-    given = [node.name for node in placeholders[:len(saved_names)]]
-    if saved_names != given:
-        _fail(f"forward saves {saved_names} but backward takes {given}")
+    # Backward takes the saved tensors in the order forward saves them (the saved symbolic
+    # sizes of a dynamic graph come before them).
+    tensors = [node.name for node in outputs
+               if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)]
+    names = set(tensors)
+    given = [node.name for node in placeholders if node.name in names]
+    if tensors != given:
+        _fail(f"forward saves {tensors} but backward takes {given}")
     order = {node: i for i, node in enumerate(bw.graph.nodes)}
     ours = {node.name for node in outputs if isinstance(node, fx.Node) and _is_ours(node)}
     for placeholder in placeholders:

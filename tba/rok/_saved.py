@@ -104,6 +104,9 @@ class SavedActivationMeter:
             if entered:
                 entered.pop().__exit__(None, None, None)
 
+        # Under torch.compile the model's own hooks run eagerly around its compiled forward,
+        # and Dynamo would compile their frames: keep it out of them (as of tba's own hooks).
+        compat.keep_dynamo_out(pre, post)
         # Registered after any cache's hooks, so the meter's saved-tensor hooks stand above
         # the cache's in every forward (pushed after them, popped before them).
         handles = [self._model.register_forward_pre_hook(pre),
@@ -160,6 +163,7 @@ class SavedActivationMeter:
                 if isinstance(tensor, torch.Tensor):
                     track(tensor, "reloaded")  # a storage seen before is not counted again
                 return tensor
+        compat.keep_dynamo_out(pack, unpack, self._track, self._freed)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 

@@ -44,6 +44,8 @@ class Run:
     summary: str = ""
     reports: list[Any] = dataclasses.field(default_factory=list)
     peak_bytes: int = 0
+    step_offloaded: list[int] = dataclasses.field(default_factory=list)
+    decision: Any = None
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -183,6 +185,8 @@ def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, st
                     if cache is not None and settle:
                         cache.wait_for_stores(60)
                     loss.backward()
+                if cache is not None:
+                    run.step_offloaded.append(cache.stats().offloaded_bytes)
                 run.losses.append(loss.detach())
                 run.grads.append([None if p.grad is None else p.grad.clone()
                                   for p in model.parameters()])
@@ -193,6 +197,7 @@ def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, st
         if cache is not None:
             run.stats = cache.stats(cumulative=True)
             run.summary = cache.summary()
+            run.decision = cache.adaptive_decision
     finally:
         if cache is not None:
             cache.close()

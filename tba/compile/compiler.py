@@ -21,6 +21,7 @@ from torch import fx, nn
 from tba import _torch_compat as compat
 from tba.cache.tensor_cache import TensorCache
 from tba.compile.partition import Partitioner
+from tba.compile.plan import normalize_path
 from tba.errors import TBAError
 from tba.integrations import registry
 
@@ -96,6 +97,19 @@ def _find_cache(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[nn.Modul
     return found[0] if found else None
 
 
+def _input_paths(gm: fx.GraphModule) -> tuple[str | None, ...]:
+    """For each input of Dynamo's graph, the path of the parameter or buffer it is, relative
+    to the module whose frame was compiled (Note [Units at run time] in plan.py)."""
+    paths: list[str | None] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name  # a method in older torch
+        is_state = isinstance(name, str) and ("_parameters[" in name or "_buffers[" in name)
+        paths.append(normalize_path(name) if is_state else None)
+    return tuple(paths)
+
+
 def _compile(gm: fx.GraphModule, example_inputs: list[Any], inner: str, patches: dict[str, Any],
              partitioner: Partitioner | None) -> Callable[..., Any]:
     if inner == "aot_eager":
@@ -151,7 +165,7 @@ def backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None =
         compiled = _compile(gm, example_inputs, inner, patches, None)
         return _refuse_later_cache(compiled, gm, example_inputs)
     model, cache = found
-    partitioner = Partitioner(model, cache)
+    partitioner = Partitioner(model, cache, input_paths=_input_paths(gm))
     compiled = _compile(gm, example_inputs, inner, patches, partitioner)
     reports = partitioner.reports
     if reports and not any(r.num_groups for r in reports) and any(r.num_off_device for r in reports):
@@ -198,14 +212,11 @@ def _refuse_later_cache(compiled: Callable[..., Any], gm: fx.GraphModule,
                     "compiles again, with tba's ops), or configure before the first compiled call"
                 )
 
-    boxed = getattr(compiled, "_boxed_call", False)
-    if boxed:
-        def guarded(args: list[Any]) -> Any:
-            check()
-            return compiled(args)
-    else:
-        def guarded(*args: Any) -> Any:  # type: ignore[misc]
-            check()
-            return compiled(*args)
-    setattr(guarded, "_boxed_call", boxed)
+    if not refs:
+        return compiled
+
+    def guarded(*args: Any) -> Any:
+        check()
+        return compiled(*args)
+
     return torch._dynamo.disable(guarded, reason="tba: runs a compiled graph")
