@@ -191,8 +191,8 @@ class CompiledForwards:
         if scope is None:
             scope = forward.scope()
         offload = saved.offloading and not scope.keep and forward.skip_depth == 0
-        views = [compat.view_on_storage(storage, t.dtype, t.size(), t.stride(), t.storage_offset())
-                 for t in tensors]
+        views = [compat.view_on_storage(storage, t.dtype, t.size(), t.stride(),
+                                        int(t.storage_offset())) for t in tensors]
         packed = []
         for view in views:
             handle, entry = engine.save(view, storage, views[0], scope, scope.record, offload)

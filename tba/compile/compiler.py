@@ -105,8 +105,10 @@ def _input_paths(gm: fx.GraphModule) -> tuple[str | None, ...]:
         source = getattr(node.meta.get("grapharg"), "source", None)
         name = getattr(source, "name", None)
         name = name() if callable(name) else name  # a method in older torch
-        is_state = isinstance(name, str) and ("_parameters[" in name or "_buffers[" in name)
-        paths.append(normalize_path(name) if is_state else None)
+        if isinstance(name, str) and ("_parameters[" in name or "_buffers[" in name):
+            paths.append(normalize_path(name))
+        else:
+            paths.append(None)
     return tuple(paths)
 
 
@@ -136,8 +138,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], inner: str, patches:
             )
         patches.update(_INDUCTOR_PATCHES)
         patches["custom_partitioner_fn"] = partitioner
-    compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    return compiled
+    compiled_fx: Callable[..., Any] = compile_fx(  # type: ignore[assignment]  # a callable here
+        gm, example_inputs, config_patches=patches)
+    return compiled_fx
 
 
 _warned_no_cache = False
@@ -219,4 +222,5 @@ def _refuse_later_cache(compiled: Callable[..., Any], gm: fx.GraphModule,
         check()
         return compiled(*args)
 
-    return torch._dynamo.disable(guarded, reason="tba: runs a compiled graph")
+    disabled: Callable[..., Any] = torch._dynamo.disable(guarded, reason="tba: runs a compiled graph")
+    return disabled

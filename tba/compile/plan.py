@@ -158,12 +158,13 @@ def _keys(nodes: Iterable[object]) -> set[StorageWeakRef]:
 def _parameters(graph: fx.Graph, paths: tuple[str | None, ...]) -> list[tuple[fx.Node, str]]:
     """The forward's parameter inputs with their paths (AOTAutograd names the frame's inputs
     ``primals_1``, ``primals_2``, ... in order)."""
-    found = []
+    found: list[tuple[fx.Node, str]] = []
     for node in graph.find_nodes(op="placeholder"):
         match = _PRIMAL.fullmatch(node.name)
         index = int(match.group(1)) - 1 if match else -1
-        if 0 <= index < len(paths) and paths[index] is not None:
-            found.append((node, paths[index]))
+        path = paths[index] if 0 <= index < len(paths) else None
+        if path is not None:
+            found.append((node, path))
     return found
 
 

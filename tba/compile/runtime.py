@@ -30,7 +30,7 @@ from torch import nn
 
 from tba import _env
 from tba.cache.compiled import CompiledForwards, compiled_forwards
-from tba.cache.engine import Handle
+from tba.cache.engine import Entry, Handle
 from tba.cache.tensor_cache import TensorCache
 from tba.errors import TBAError
 from tba.integrations import registry
@@ -66,6 +66,14 @@ class GraphInfo:
 _graphs: dict[int, GraphInfo] = {}
 _graph_ids = itertools.count()
 
+# Note [Whose graph is it]: Dynamo hands a module's parameters to its graph as inputs, so one
+# compiled graph serves every instance of the model's class (and every block of a model whose
+# own graph breaks make Dynamo compile a block's frame): the model a graph was compiled for is
+# not the one it runs for. The first store of a run finds the cache from its marker parameter
+# (Note [Units at run time] in plan.py), the model it belongs to; a graph without parameter
+# inputs uses the model it was compiled for. Tested by tests/compile/test_backend.py (two
+# models, one graph).
+
 
 def fingerprint(cache: TensorCache) -> tuple[object, ...]:
     """The options a graph's plan was made with (which values, which units)."""
@@ -80,13 +88,35 @@ def register_graph(model: nn.Module, cache: TensorCache, num_stores: int) -> int
     return graph_id
 
 
-def _seam(graph_id: int) -> CompiledForwards:
-    """The cache the graph's model has now (configuring again after compiling works when the
-    plan's options are unchanged)."""
+# Parameter and buffer data pointers of the configured models -> their cache (weakly):
+# Note [Whose graph is it].
+_owners: dict[int, weakref.ref[TensorCache]] = {}
+
+
+def _owner(marker: torch.Tensor) -> TensorCache | None:
+    ref = _owners.get(marker.data_ptr())
+    cache = ref() if ref is not None else None
+    if cache is None or cache.closed:
+        _owners.clear()
+        for module, found in registry.registered():
+            if isinstance(found, TensorCache) and not found.closed:
+                for tensor in itertools.chain(module.parameters(), module.buffers()):
+                    _owners[tensor.data_ptr()] = weakref.ref(found)
+        ref = _owners.get(marker.data_ptr())
+        cache = ref() if ref is not None else None
+    return cache
+
+
+def _seam(graph_id: int, marker: torch.Tensor | None) -> CompiledForwards:
+    """The cache of the model the graph runs for now (Note [Whose graph is it]; configuring
+    again after compiling works when the plan's options are unchanged)."""
     info = _graphs[graph_id]
-    model = info.model()
-    cache = registry.get(model) if model is not None else None
-    if not isinstance(cache, TensorCache) or cache.closed:
+    cache = _owner(marker) if marker is not None else None
+    if cache is None:
+        model = info.model()
+        found = registry.get(model) if model is not None else None
+        cache = found if isinstance(found, TensorCache) else None
+    if cache is None or cache.closed:
         raise TBAError(
             "tba: a graph compiled with backend=\"tba\" ran but its model has no open tensor "
             "cache (it was closed); configure the model again (tba.configure_tensor_cache: "
@@ -134,7 +164,7 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | 
     graphs] in tba/cache/compiled.py); returns its key and the members' shape carriers."""
     run = _run
     if index == 0:
-        seam = _seam(graph_id)
+        seam = _seam(graph_id, marker)
         seam.begin(tensors)
         run.graph, run.next, run.seam = graph_id, 0, seam
         run.stored = {} if _env.check_invariants() else None
@@ -206,7 +236,7 @@ def reload(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int) -> to
 
 def prefetch(keys: list[torch.Tensor]) -> torch.Tensor:
     """``tba::prefetch``: start loading the groups of ``keys`` (in order)."""
-    entries = []
+    entries: list[Entry] = []
     saved = None
     for key in keys:
         saved, values = _packed(key)

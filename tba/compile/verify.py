@@ -57,6 +57,9 @@ def check_forward(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
         if len(keys) != 1 or len(members) != len(set(members)):
             _fail(f"{store.name} stores {len(keys)} storages in one group")
         key = keys.pop()
+        if key is None:
+            _fail(f"{store.name} stores a value that is no tensor")
+            continue
         if key in excluded:
             _fail(f"{store.name} stores a view of a graph input or of a user output")
         if key in stored:

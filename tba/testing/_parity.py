@@ -341,7 +341,7 @@ def _uncompiled(model: nn.Module, compile: str | None) -> tuple[nn.Module, str |
 
 
 def _compiled(model: nn.Module, twin: nn.Module, compile: str | None,
-              options: dict[str, Any] | None) -> tuple[Callable[..., Any], Callable[..., Any]]:
+              options: dict[str, Any] | None) -> tuple[nn.Module, nn.Module]:
     """What each step calls: the models themselves, or compiled (the reference by the inner
     compiler alone, the twin by tba's backend)."""
     if compile is None:
@@ -350,7 +350,8 @@ def _compiled(model: nn.Module, twin: nn.Module, compile: str | None,
 
     options = dict(options or {})
     inner = options.get("inner", "inductor")
-    return (torch.compile(model, backend=inner),
+    # torch.compile of a module returns the module compiled (its stub says a callable).
+    return (torch.compile(model, backend=inner),  # type: ignore[return-value]
             torch.compile(twin, backend=tba.compile.backend, options=options))
 
 

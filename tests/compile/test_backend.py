@@ -239,3 +239,22 @@ def test_the_policy_moves_the_boundary_at_run_time_without_recompiling() -> None
     assert later[0] == later[1] < first / 10, run.step_offloaded
     assert run.decision is not None and run.decision.tail_start == 0, run.decision
     assert run.num_graphs == 1 and run.breaks == {}
+
+
+def test_one_graph_for_two_models_offloads_each_into_its_own_cache() -> None:
+    """Note [Whose graph is it] (tba/compile/runtime.py): Dynamo runs the graph it compiled
+    for one model's block (the models' own graph breaks make it compile the block's frame)
+    for every block of every instance; each step goes to its model's cache."""
+    first, second = _Breaks(), _Breaks()
+    caches = [tba.configure_tensor_cache(m, **OPTIONS) for m in (first, second)]
+    try:
+        runners = [_compiled(m) for m in (first, second)]
+        for runner, cache in zip(runners, caches):
+            _step(runner, cache=cache)
+        for cache in caches:
+            stats = cache.stats(cumulative=True)
+            assert stats.num_steps == 1 and stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0
+        assert counters["stats"]["unique_graphs"] == 3  # embedding, block, head: shared
+    finally:
+        for cache in caches:
+            cache.close()
