@@ -146,14 +146,15 @@ class CacheHooks:
 
     # ------------------------------------------------------------------ module hooks
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if compat.running_for_tba():
-            self._open_compiled(module, (args, kwargs))
-            return
+        # Under backend="tba" the model's own hooks run eagerly around its compiled forward:
+        # they open its record and enter no saved-tensor hooks; the graphs' store ops save
+        # into it (Note [The cache under compiled graphs] in tba/cache/compiled.py).
+        compiled = compat.running_for_tba()
         if not torch.is_grad_enabled() or compat.in_backward():
             if self.on_forward_skipped is not None:
                 self.on_forward_skipped(compat.in_backward())
             return
-        if compat.in_functorch_transform():
+        if not compiled and compat.in_functorch_transform():
             self.saved._functorch_note()
             return  # torch.func refuses saved-tensor hooks: autograd keeps everything
         engine, tracker = self.engine, self.tracker
@@ -167,30 +168,11 @@ class CacheHooks:
             if state.depth and not on_stack(state.caller_id, caller):
                 tracker.abandon_forward(state)  # Note [Interrupted forwards]
             if not state.depth:
-                self._begin_forward(module, (args, kwargs), caller)
-            state.depth += 1
-        if interrupts.pending:
-            interrupts.raise_pending()
-
-    def _open_compiled(self, model: nn.Module, inputs: Any) -> None:
-        """The model's forward runs compiled with ``backend="tba"`` (its own hooks run
-        eagerly around the compiled code): open its record, enter no saved-tensor hooks; the
-        graphs' store ops save into it (Note [The cache under compiled graphs])."""
-        if not torch.is_grad_enabled() or compat.in_backward():
-            return
-        engine, tracker = self.engine, self.tracker
-        engine.raise_pending()
-        state = tracker.local
-        caller = torch_caller()
-        interrupts.install()
-        with engine.lock:
-            if engine.released:
-                engine._drain_locked()
-            if state.depth and not on_stack(state.caller_id, caller):
-                tracker.abandon_forward(state)  # Note [Interrupted forwards]
-            if not state.depth:
-                self.open_forward(model, inputs)
-                state.compiled, state.caller_id = True, id(caller)
+                if compiled:
+                    self.open_forward(module, (args, kwargs))
+                    state.compiled, state.caller_id = True, id(caller)
+                else:
+                    self._begin_forward(module, (args, kwargs), caller)
             state.depth += 1
         if interrupts.pending:
             interrupts.raise_pending()

@@ -130,7 +130,7 @@ class Partitioner(CustomPartitionerFn):
             rules, devices=frozenset(("cpu", "cuda", "xpu", "mps", "hpu")) - rules.devices))
         graph_id = -1
         if groups:
-            graph_id = runtime.register_graph(model, cache, len(groups))
+            graph_id = runtime.register_graph(model, cache)
             swaps = rewrite_forward(fw, groups, num_fwd_outputs, graph_id)
             rewrite_backward(bw, swaps, cache.config.prefetch_modules)
             verify.check_forward(fw, num_fwd_outputs)

@@ -53,14 +53,12 @@ class GraphInfo:
     """What a compiled forward graph's stores need at run time.
 
     Attributes:
-        model: the configured model (weakly).
+        model: the configured model it was compiled for (weakly).
         fingerprint: the cache options the graph's plan depends on.
-        num_stores: store ops in the graph.
     """
 
     model: weakref.ref[nn.Module]
     fingerprint: tuple[object, ...]
-    num_stores: int
 
 
 _graphs: dict[int, GraphInfo] = {}
@@ -81,10 +79,10 @@ def fingerprint(cache: TensorCache) -> tuple[object, ...]:
     return (tuple(sorted(config.offload_devices)), config.skip_modules, config.block_modules)
 
 
-def register_graph(model: nn.Module, cache: TensorCache, num_stores: int) -> int:
+def register_graph(model: nn.Module, cache: TensorCache) -> int:
     """An id for a rewritten forward graph, baked into its store ops."""
     graph_id = next(_graph_ids)
-    _graphs[graph_id] = GraphInfo(weakref.ref(model), fingerprint(cache), num_stores)
+    _graphs[graph_id] = GraphInfo(weakref.ref(model), fingerprint(cache))
     return graph_id
 
 
@@ -256,8 +254,3 @@ def watch(observer: Observer) -> Iterator[None]:
         yield
     finally:
         _observers.remove(observer)
-
-
-def graphs_planned() -> int:
-    """Forward graphs rewritten so far in this process (for tests)."""
-    return len(_graphs)

@@ -71,30 +71,33 @@ def test_an_alias_stored_twice_fails_at_compile_time(joint: Joint) -> None:
         verify.check_forward(fw, num_outputs)
 
 
-def test_a_reload_after_its_first_use_fails(joint: Joint) -> None:
-    fw, bw, num_outputs = _rewritten(joint)
+def _reload_after_its_first_use(bw: torch.fx.GraphModule) -> None:
     reload = _nodes(bw, ops.RELOAD)[0]
     first = min(reload.users, key=list(bw.graph.nodes).index)
     first.append(reload)
-    with pytest.raises(AssertionError, match="comes after its use"):
-        verify.check_backward(fw, bw, num_outputs)
 
 
-def test_a_reload_before_its_prefetch_fails(joint: Joint) -> None:
-    fw, bw, num_outputs = _rewritten(joint)
+def _prefetch_after_its_reload(bw: torch.fx.GraphModule) -> None:
     prefetch = _nodes(bw, ops.PREFETCH)[0]
     reload = next(user for user in prefetch.users if user.target is ops.RELOAD)
     reload.append(prefetch)
-    with pytest.raises(AssertionError, match="not preceded by the prefetch"):
-        verify.check_backward(fw, bw, num_outputs)
 
 
-def test_a_key_used_by_another_op_fails(joint: Joint) -> None:
-    fw, bw, num_outputs = _rewritten(joint)
+def _carrier_used_as_the_tensor(bw: torch.fx.GraphModule) -> None:
     reload = _nodes(bw, ops.RELOAD)[0]
     (user, *_) = reload.users
-    user.replace_input_with(reload, reload.args[1])  # the carrier instead of the tensor
-    with pytest.raises(AssertionError, match="not by a reload"):
+    user.replace_input_with(reload, reload.args[1])
+
+
+@pytest.mark.parametrize(("break_it", "message"), [
+    (_reload_after_its_first_use, "comes after its use"),
+    (_prefetch_after_its_reload, "not preceded by the prefetch"),
+    (_carrier_used_as_the_tensor, "not by a reload"),
+])
+def test_a_broken_backward_fails(joint: Joint, break_it, message: str) -> None:
+    fw, bw, num_outputs = _rewritten(joint)
+    break_it(bw)
+    with pytest.raises(AssertionError, match=message):
         verify.check_backward(fw, bw, num_outputs)
 
 

@@ -69,24 +69,6 @@ def reports() -> Iterator[list[Any]]:
         Partitioner.rewrite = original  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def captured() -> Iterator[list[tuple[Any, Any, int]]]:
-    """(forward, backward, number of user outputs) of every graph pair tba's backend rewrites
-    while the block runs."""
-    pairs: list[tuple[Any, Any, int]] = []
-    original = Partitioner.rewrite
-
-    def rewrite(self: Partitioner, fw: Any, bw: Any, num_fwd_outputs: int) -> None:
-        original(self, fw, bw, num_fwd_outputs)
-        pairs.append((fw, bw, num_fwd_outputs))
-
-    Partitioner.rewrite = rewrite  # type: ignore[method-assign]
-    try:
-        yield pairs
-    finally:
-        Partitioner.rewrite = original  # type: ignore[method-assign]
-
-
 @dataclasses.dataclass
 class Joint:
     """A joint graph AOTAutograd handed tba's partitioner, to partition and rewrite again."""
@@ -130,25 +112,6 @@ def joint_of(model_name: str, **tba_options: Any) -> Joint:
     joint = found[0]
     joint.model = model  # type: ignore[attr-defined]  # keeps the model (and its cache) alive
     return joint
-
-
-def compile_once(model_name: str, **tba_options: Any) -> tuple[Any, Any, int]:
-    """Compile ``model_name`` with ``backend="tba"`` over ``aot_eager`` (one forward, no
-    backward) and return its rewritten graph pair."""
-    dynamo.reset()
-    make_model, make_batch = MODELS[model_name]
-    torch.manual_seed(0)
-    model = make_model()
-    cache = tba.configure_tensor_cache(model, **{**BASE_OPTIONS, "offloader": "host", **tba_options})
-    try:
-        compiled = torch.compile(model, backend="tba", fullgraph=True, options={"inner": "aot_eager"})
-        with captured() as pairs:
-            batch = make_batch(0)
-            loss_of(compiled(**batch) if isinstance(batch, dict) else compiled(batch))
-    finally:
-        cache.close()
-    (pair,) = pairs
-    return pair
 
 
 def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, steps: int = 3,

@@ -30,7 +30,8 @@ class _Batches(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _train(tmp_path, callbacks: list, make_model=models.gpt2) -> tuple[torch.nn.Module, list, list]:
+def _train(tmp_path, callbacks: list, make_model=models.gpt2,
+           **training_args) -> tuple[torch.nn.Module, list, list]:
     """Three AdamW steps of a tiny GPT-2 (dropout on) through Trainer; the model, every
     step's gradients (read before the optimizer step) and the log history."""
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
@@ -46,7 +47,7 @@ def _train(tmp_path, callbacks: list, make_model=models.gpt2) -> tuple[torch.nn.
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=NUM_STEPS, per_device_train_batch_size=models.BATCH,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3,
+        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3, **training_args,
     )
     trainer = Trainer(
         model=model, args=args, train_dataset=_Batches(), callbacks=[*callbacks, RecordGrads()]
@@ -139,3 +140,29 @@ def test_peft_lora_through_trainer_is_bit_exact(tmp_path):
     # The Trainer runs backward right after forward: on a loaded machine a step's stores may
     # all be cancelled (backward needed the tensors first), so not every step offloads.
     assert any(e["tba/offloaded_bytes"] > 0 for e in logs if "loss" in e), logs
+
+
+@pytest.mark.slow
+def test_trainer_with_torch_compile_backend_tba_is_bit_exact(tmp_path):
+    """``TrainingArguments(torch_compile=True, torch_compile_backend="tba")``: the Trainer
+    compiles the whole model with tba's backend (Inductor underneath; tests/compile/ has the
+    rest), equal to the same Trainer compiling with ``backend="inductor"``, bytes offloaded."""
+    import torch._dynamo
+
+    from tba.integrations.hf import TensorCacheCallback
+
+    torch._dynamo.reset()
+    reference, ref_grads, ref_logs = _train(tmp_path / "ref", [], torch_compile=True,
+                                            torch_compile_backend="inductor")
+    torch._dynamo.reset()
+    callback = TensorCacheCallback(**OPTIONS)
+    model, grads, logs = _train(tmp_path / "tba", [callback], torch_compile=True,
+                                torch_compile_backend="tba")
+    torch._dynamo.reset()
+    assert len(grads) == len(ref_grads) == NUM_STEPS
+    for step, (want, have) in enumerate(zip(ref_grads, grads)):
+        for name in want:
+            assert torch.equal(want[name], have[name]), f"step {step}: grad of {name} differs"
+    assert [e["loss"] for e in logs if "loss" in e] == [e["loss"] for e in ref_logs if "loss" in e]
+    step_logs = [e for e in logs if "loss" in e]
+    assert all(e["tba/offloaded_bytes"] > 0 for e in step_logs), step_logs
