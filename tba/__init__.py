@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from tba.cache.stats import CacheStats
+from tba.cache.observe.stats import CacheStats
 from tba.cache.tensor_cache import TensorCache
 from tba.config import TensorCacheConfig
 from tba.errors import OffloadIOError, TBAError

@@ -282,7 +282,7 @@ def top_saved_tensors_hooks() -> tuple[PackHook, UnpackHook] | None:
     """The (pack, unpack) pair autograd calls for a tensor saved now on this thread: the top
     of the thread's stack of default saved-tensor hooks (``saved_tensors_hooks`` contexts),
     or None when the stack is empty (Note [Outer saved-tensor hooks] in
-    tba/cache/hook_stack.py)."""
+    tba/cache/capture/hook_stack.py)."""
     # torch's stub omits the None it returns when the stack is empty.
     top: tuple[PackHook, UnpackHook] | None = (
         torch._C._autograd._top_saved_tensors_default_hooks(False))

@@ -69,12 +69,12 @@ POLL_S: float = 0.5
 # later events of the step are not recorded, so a runaway step cannot grow memory unbounded.
 MAX_TRACE_EVENTS_PER_STEP: int = 1_000_000
 
-# ---- the adaptive policy (tba/cache/steps.py) ---------------------------------------------
+# ---- the adaptive policy (tba/cache/steps/steps.py) --------------------------------------
 # Factor (plain) by which the measured write bandwidth must move from the profiled one before
 # the policy re-profiles: smaller factors re-profile on the ordinary jitter of a shared disk.
 BANDWIDTH_DRIFT: float = 1.5
 
-# ---- the closed loop (tba/cache/closed_loop.py, docs/policy.md) ---------------------------
+# ---- the closed loop (tba/cache/policy/closed_loop.py, docs/policy.md) --------------------
 # Free memory a keep step needs (plain factor) over the bytes it keeps in addition: a keep step
 # holds every activation, so the loop measures keep steps only with this headroom.
 CLOSED_LOOP_KEEP_MARGIN: float = 1.25

@@ -31,7 +31,7 @@ def test_the_configuration_checks_all_of_tba_strictly_where_it_promises(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(ROOT)  # the configuration's paths and mypy's cache are the repository's
-    files = ["tba/cache/clock.py", "tba/integrations/registry.py", "tba/plan/_types.py"]
+    files = ["tba/cache/observe/clock.py", "tba/integrations/registry.py", "tba/plan/_types.py"]
     for path in files:
         out, status = _mypy_with(path, UNTYPED, tmp_path)
         assert status == 1 and "no-untyped-def" in out and path in out, (path, out)

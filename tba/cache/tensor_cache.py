@@ -25,24 +25,27 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
+from typing import cast
 
 from torch import nn
 
 from tba import _env
-from tba.cache import hook_stack
-from tba.cache.diagnose import NoOffloadDiagnosis
+from tba.cache.capture import hook_stack
+from tba.cache.capture.compiled import CompiledForwards
+from tba.cache.capture.hooks import CacheHooks
+from tba.cache.capture.run_order import RunOrder
+from tba.cache.capture.saving import SavedTensors
 from tba.cache.engine import Engine
-from tba.cache.hooks import CacheHooks
-from tba.cache.policy import Boundary, BoundaryDecision
-from tba.cache.run_order import RunOrder
-from tba.cache.saving import SavedTensors
-from tba.cache.scopes import Unit, find_units
-from tba.cache.stages import StageHint
-from tba.cache.stats import CacheStats, format_summary
-from tba.cache.steps import Steps
-from tba.cache.streams import DeviceStreams, StreamLayer
-from tba.cache.trace import TraceRecorder
-from tba.cache.tracker import StepTracker
+from tba.cache.engine.entries import SavedRecord
+from tba.cache.engine.streams import DeviceStreams, StreamLayer
+from tba.cache.observe.stats import CacheStats, format_summary
+from tba.cache.observe.trace import TraceRecorder
+from tba.cache.policy.boundary import Boundary, BoundaryDecision
+from tba.cache.policy.diagnose import NoOffloadDiagnosis
+from tba.cache.steps.scopes import Unit, find_units
+from tba.cache.steps.stages import StageHint
+from tba.cache.steps.steps import Steps
+from tba.cache.steps.tracker import StepTracker
 from tba.config import TensorCacheConfig
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
@@ -147,7 +150,9 @@ class TensorCache:
             engine.prefetch if offloader is not None else None, self._weak_finish_step(),
         )
         tracker.on_forward_end = self._steps.end_forward
-        engine.on_records_dead = tracker.records_dead
+        # The engine hands back the tracker's own records, typed as the ``SavedRecord`` it knows
+        # (it does not import the capture side): this is where the two types meet.
+        engine.on_records_dead = cast("Callable[[list[SavedRecord]], None]", tracker.records_dead)
         self._saved = SavedTensors(
             engine, tracker, frozenset(config.offload_devices), offloader is not None,
             config.min_offload_bytes,
@@ -160,6 +165,7 @@ class TensorCache:
         self._check = _env.check_invariants()
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
+        self._compiled: CompiledForwards | None = None
         hook_stack.attach()  # undone by _shutdown
         self._finalizer = weakref.finalize(self, _shutdown, engine, tracker, self._saved, offloader)
         hooks = CacheHooks(self, model, config, self.units, engine, tracker, self._saved,
@@ -252,6 +258,14 @@ class TensorCache:
         with self._engine.lock:
             self._tracker.set_stage(hint)
         self._raise_pending()
+
+    def _compiled_forwards(self) -> CompiledForwards:
+        """The cache's side of graphs compiled with ``backend="tba"`` (for tba.compile; Note
+        [The cache under compiled graphs] in tba/cache/capture/compiled.py)."""
+        if self._compiled is None:
+            self._compiled = CompiledForwards(self._hooks, self._model, self._saved, self.config,
+                                              self.units)
+        return self._compiled
 
     def add_close_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the cache is closed (``configure_tensor_cache`` unregisters
@@ -361,7 +375,7 @@ class TensorCache:
             engine.set_error(violation)  # raised in the training step
 
     def _raise_pending(self) -> None:
-        from tba.cache import interrupts
+        from tba.cache.engine import interrupts
 
         if interrupts.pending:
             interrupts.raise_pending()

@@ -13,7 +13,7 @@ min-cut partitioner decides what backward needs exactly as without tba, and then
   * verify.py checks the placement on every compile (Note [Checked placement]),
   * ops.py defines the ops (Note [Effects as ops]) and runtime.py runs them against the
     model's tensor cache (Note [Keys and shape carriers]; the cache's side is
-    tba/cache/compiled.py, Note [The cache under compiled graphs]),
+    tba/cache/capture/compiled.py, Note [The cache under compiled graphs]),
 so a compiled step goes through the same engine, offloaders, policy, accounting, errors,
 stats, summary, trace and invariant checks as an eager one.
 

@@ -17,8 +17,8 @@ from torch import fx, nn
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
-from tba.cache.compiled import CompiledForwards, compiled_forwards
-from tba.cache.scopes import matches
+from tba.cache.capture.compiled import CompiledForwards
+from tba.cache.steps.scopes import matches
 from tba.cache.tensor_cache import TensorCache
 from tba.compile import runtime, verify
 from tba.compile.plan import Rules, StoreGroup, plan_stores
@@ -77,7 +77,7 @@ def rules_for(cache: TensorCache, model: nn.Module,
     taken as the model's own: Note [Units at run time])."""
     return Rules(
         devices=frozenset(cache.config.offload_devices),
-        unit_of=functools.partial(_unit_name, compiled_forwards(cache)),
+        unit_of=functools.partial(_unit_name, cache._compiled_forwards()),
         skipped=functools.lru_cache(maxsize=None)(
             functools.partial(_skipped, model, tuple(cache.config.skip_modules))),
         input_paths=input_paths,

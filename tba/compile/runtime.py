@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tba import _env
-from tba.cache.compiled import CompiledForwards, compiled_forwards
+from tba.cache.capture.compiled import CompiledForwards
 from tba.cache.engine import Entry, Handle
 from tba.cache.tensor_cache import TensorCache
 from tba.errors import TBAError
@@ -127,7 +127,7 @@ def _seam(graph_id: int, marker: torch.Tensor | None) -> CompiledForwards:
             "block_modules than the graph compiled with backend=\"tba\" was planned for; call "
             "torch.compiler.reset() after configure_tensor_cache so the model compiles again"
         )
-    return compiled_forwards(cache)
+    return cache._compiled_forwards()
 
 
 class _Run(threading.local):
@@ -159,7 +159,7 @@ def geometry(shape: torch.Tensor, ndim: int) -> tuple[list[Any], list[Any], Any]
 def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | None,
           marker: torch.Tensor | None, marker_path: str | None, last: bool) -> list[torch.Tensor]:
     """``tba::store``: hand one group's tensors to the cache (Note [The cache under compiled
-    graphs] in tba/cache/compiled.py); returns its key and the members' shape carriers."""
+    graphs] in tba/cache/capture/compiled.py); returns its key and the members' shape carriers."""
     run = _run
     if index == 0:
         seam = _seam(graph_id, marker)

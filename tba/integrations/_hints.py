@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from tba.cache.stages import Action
+from tba.cache.steps.stages import Action
 from tba.integrations.registry import CacheLike
 
 __all__ = ["Action", "Step", "Plan", "announce"]

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from tba.cache.stages import Action
+from tba.cache.steps.stages import Action
 from tba.integrations import registry
 from tba.integrations._engine import Engine, wrapper
 from tba.integrations._hints import Plan, Step, announce

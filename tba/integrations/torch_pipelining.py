@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from tba.cache.stages import Action
+from tba.cache.steps.stages import Action
 from tba.integrations import registry
 from tba.integrations._engine import Engine, wrapper
 from tba.integrations._hints import Plan, Step, announce

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from tba.cache.closed_loop import LoopEvent
-    from tba.cache.stats import CacheStats
+    from tba.cache.observe.stats import CacheStats
+    from tba.cache.policy.closed_loop import LoopEvent
     from tba.cache.tensor_cache import TensorCache
 
 __all__ = ["probe", "CacheProbe", "EntryView", "RecordView", "ScopeView", "SaveView", "ForwardView"]
@@ -239,8 +239,8 @@ class CacheProbe:
         """Record every save of the forwards that begin inside the ``with`` block (what was
         saved and what tba did with it); yields the list it fills. ``on_save`` is called after
         each save, inside the pack hook (a test may wait there, e.g. for the store)."""
+        from tba.cache.capture.packed import PackedSubclass
         from tba.cache.engine import Handle
-        from tba.cache.packed import PackedSubclass
 
         cache = self._cache
         hooks = cache._hooks()

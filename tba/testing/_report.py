@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from tba.cache.stats import format_bytes
+from tba.cache.observe.stats import format_bytes
 
 __all__ = ["Mismatch", "ParityReport", "compare"]
 

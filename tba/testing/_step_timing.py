@@ -1,6 +1,6 @@
 """`drive_closed_loop`: scripted time for a cache's closed loop, for tests and extenders.
 
-The closed loop (Note [Closed loop] in tba/cache/closed_loop.py) decides from measured step
+The closed loop (Note [Closed loop] in tba/cache/policy/closed_loop.py) decides from measured step
 times, so a test of its decisions in a real cache needs step times it chooses: real time on a
 shared machine is noise, and an assertion on it is a flaky test. :func:`drive_closed_loop`
 installs, on one cache, the clock its steps are timed with (a :class:`FakeStepClock` that moves
@@ -29,7 +29,7 @@ __all__ = ["FakeStepClock", "drive_closed_loop"]
 
 
 class FakeStepClock:
-    """A step clock (``tba.cache.clock.StepClock``) that moves only when told to.
+    """A step clock (``tba.cache.observe.clock.StepClock``) that moves only when told to.
 
     Thread-safe: an offloader's store and load workers may advance it too (transfers that take
     time from compute).

@@ -341,6 +341,6 @@ def test_warmup_waits_while_the_closed_loop_measures():
     warmup = _warmup_steps(script + [(5, 9, 5)] * 4, cache_type=_MeasuringCache)
     assert warmup.steps == 6 and not warmup.unsettled
     # ... as long as a check may measure: an unsettled point is the policy's fault, not the warm-up's.
-    from tba.cache.closed_loop import MAX_PROBE_STEPS
+    from tba.cache.policy.closed_loop import MAX_PROBE_STEPS
 
     assert _rok_warmup.MAX_EXTRA_WARMUP >= MAX_PROBE_STEPS + 2

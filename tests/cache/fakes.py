@@ -19,9 +19,9 @@ def bare_engine(offloader: Any, saved: torch.Tensor, **options: Any) -> tuple[An
     into it for offload (the handle holds its entry's one reference): for tests that drive the
     engine's calls directly. Drop the handle and call ``engine.drain()`` to release it."""
     from tba.cache.engine import Engine
-    from tba.cache.scopes import Record, Scope
-    from tba.cache.streams import DeviceStreams
-    from tba.cache.trace import TraceRecorder
+    from tba.cache.engine.streams import DeviceStreams
+    from tba.cache.observe.trace import TraceRecorder
+    from tba.cache.steps.scopes import Record, Scope
 
     settings: dict[str, Any] = dict(
         num_store_threads=1, num_load_threads=1, max_inflight_bytes=1 << 30, min_offload_bytes=0,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tba.cache.streams import host_buffer
+from tba.cache.engine.streams import host_buffer
 
 JOIN_S = 30.0
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tba
-from tba.cache.policy import Boundary, solve_boundary
+from tba.cache.policy.boundary import Boundary, solve_boundary
 from tba.offloaders import Throttled
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tba
-from tba.cache.policy import estimate_peak, solve_budget
+from tba.cache.policy.boundary import estimate_peak, solve_budget
 from tba.testing import probe
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
@@ -150,7 +150,7 @@ def test_budget_config_is_validated() -> None:
 def test_policy_docstring_examples_run() -> None:
     import doctest
 
-    from tba.cache import policy
+    from tba.cache.policy import boundary as policy
 
     result = doctest.testmod(policy, raise_on_error=False, verbose=False)
     assert result.attempted >= 3 and result.failed == 0

@@ -212,7 +212,7 @@ def test_steady_keep_steps_only_with_memory_for_them() -> None:
 def test_cuda_event_clock_reads_without_synchronising() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from tba.cache.clock import CudaEventClock, default_clock
+    from tba.cache.observe.clock import CudaEventClock, default_clock
 
     clock = default_clock(cuda=True)
     assert isinstance(clock, CudaEventClock)

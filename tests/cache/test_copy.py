@@ -25,9 +25,9 @@ OPTIONS = dict(offloader="host", offload_devices=("cpu",), min_offload_bytes=0,
 
 def hook_counts(model: nn.Module) -> list[int]:
     """Hooks that can act, per module. A copy keeps the hook slots of the original (torch
-    copies the hook dicts) but tba's hooks become ``tba.cache.module_hook.inert_hook``, which
-    does nothing: those are not counted."""
-    from tba.cache.module_hook import inert_hook
+    copies the hook dicts) but tba's hooks become
+    ``tba.cache.capture.module_hook.inert_hook``, which does nothing: those are not counted."""
+    from tba.cache.capture.module_hook import inert_hook
 
     return [
         sum(

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import tba
-from tba.testing import probe
 from tba import _torch_compat as compat
 from tba.cache.tensor_cache import TensorCache
+from tba.testing import probe
 from tests import models
 from tests.cache.fakes import FakeOffloader
 
@@ -91,7 +91,7 @@ def test_subclasses_not_known_safe_stay_with_autograd() -> None:
     among them) is not flattened: pack hands autograd the tensor itself."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-    from tba.cache.packed import offloadable_subclass
+    from tba.cache.capture.packed import offloadable_subclass
 
     assert not offloadable_subclass(AsyncCollectiveTensor)
     assert not offloadable_subclass(PendingWork)
@@ -205,7 +205,7 @@ def test_transfer_streams_are_tbas_own(monkeypatch: pytest.MonkeyPatch, status: 
     pool with one warning."""
     import contextlib
 
-    from tba.cache import streams
+    from tba.cache.engine import streams
 
     made: list[tuple] = []
     monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())

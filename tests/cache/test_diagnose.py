@@ -17,9 +17,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import tba
+import tba.cache.observe.stats as stats_module
+from tba.cache.observe.stats import format_bytes
 from tba.testing import probe
-import tba.cache.stats as stats_module
-from tba.cache.stats import format_bytes
 from tests import models
 from tests.cache.fakes import FakeOffloader
 from tests.twin import assert_bytes_moved, run_twins
@@ -223,9 +223,9 @@ def test_adaptive_keep_everything_names_the_decision(monkeypatch: pytest.MonkeyP
 
 
 def test_keep_everything_decision_gives_offloader_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Note [A keep-everything decision holds no offloader memory] (tba/cache/steps.py): once the
-    # policy keeps every block, the offloader gets reserve(0) once and its pool holds nothing;
-    # a policy that offloads never gets it.
+    # Note [A keep-everything decision holds no offloader memory] (tba/cache/steps/steps.py):
+    # once the policy keeps every block, the offloader gets reserve(0) once and its pool holds
+    # nothing; a policy that offloads never gets it.
     import tba.cache.engine.waits as waits
     import tba.cache.engine.workers as workers
     from tba.offloaders import HostOffloader

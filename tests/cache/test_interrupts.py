@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tba
-from tba.cache import interrupts
+from tba.cache.engine import interrupts
 from tba.testing import probe
 from tests import models
 from tests.cache.interrupt_sweep import LineCounter, tracing

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tba
-from tba.cache.stats import CacheStats
+from tba.cache.observe.stats import CacheStats
 from tba.offloaders.cpu_time import TransferCPU, charge_cpu
 from tba.offloaders.ssd import SSDOffloader
 from tba.testing import probe

@@ -405,7 +405,7 @@ def test_import_and_configure_leave_sigint_alone_until_a_cache_exists() -> None:
     main thread and put back when the last cache closes."""
     import signal
 
-    from tba.cache import interrupts
+    from tba.cache.engine import interrupts
 
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("the test runner installed its own SIGINT handler")

@@ -49,7 +49,7 @@ def test_keyword_input_shapes_reprofile(change: str, caplog: pytest.LogCaptureFi
     batches = [_batch(models.SEQ)] * 3 + [changed]
     with tba.configure_tensor_cache(model, **_ADAPTIVE) as cache:
         for step, batch in enumerate(batches):
-            with caplog.at_level(logging.INFO, logger="tba.cache.steps"):
+            with caplog.at_level(logging.INFO, logger="tba.cache.steps.steps"):
                 caplog.clear()
                 model(**batch).backward()
             if step == 2:
@@ -65,7 +65,7 @@ def test_hugging_face_model_called_with_keywords(caplog: pytest.LogCaptureFixtur
         for step, seq in enumerate((models.SEQ, models.SEQ, models.SEQ, models.SEQ // 2)):
             batch = models.lm_batch(step)
             batch = {name: value[:, :seq] for name, value in batch.items()}
-            with caplog.at_level(logging.INFO, logger="tba.cache.steps"):
+            with caplog.at_level(logging.INFO, logger="tba.cache.steps.steps"):
                 caplog.clear()
                 model(**batch).loss.backward()
             if step == 2:

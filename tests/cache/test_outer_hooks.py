@@ -1,7 +1,7 @@
 """The script's own saved-tensor hooks around a configured forward (Note [Outer saved-tensor
-hooks] in tba/cache/hook_stack.py), ``skip_modules`` stepping aside (Note [Stepping aside]) and
-``register_hooks`` on a raw saved tensor (Note [register_hooks on a saved tensor] in
-tba/_torch_compat.py)."""
+hooks] in tba/cache/capture/hook_stack.py), ``skip_modules`` stepping aside (Note [Stepping
+aside]) and ``register_hooks`` on a raw saved tensor (Note [register_hooks on a saved tensor]
+in tba/_torch_compat.py)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tba.cache.closed_loop import MAX_PROBE_STEPS, OverheadLoop
+from tba.cache.policy.closed_loop import MAX_PROBE_STEPS, OverheadLoop
 
 
 def _run(loop: OverheadLoop, first: int, seconds, steps: int) -> list[int]:

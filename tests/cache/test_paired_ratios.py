@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tba.cache.paired_ratios import judge, median, median_bounds
+from tba.cache.policy.paired_ratios import judge, median, median_bounds
 
 
 def test_median() -> None:

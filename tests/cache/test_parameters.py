@@ -1,5 +1,6 @@
 """No parameter of any module is ever offloaded, trainable or frozen, of the configured model
-or passed in from outside it (Note [Parameters are never offloaded] in tba/cache/saving.py)."""
+or passed in from outside it (Note [Parameters are never offloaded] in
+tba/cache/capture/saving.py)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import tba
-from tba.cache import profiler_ranges
-from tba.cache.profiler_ranges import LoadDone
+from tba.cache.observe import profiler_ranges
+from tba.cache.observe.profiler_ranges import LoadDone
 from tests import models
 from tests.cache.fakes import FakeOffloader
 

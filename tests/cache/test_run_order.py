@@ -1,5 +1,5 @@
 """Blocks are numbered in the order they run, not as declared (Note [Blocks in run order] in
-tba/cache/run_order.py): the kept tail is the last block to run."""
+tba/cache/capture/run_order.py): the kept tail is the last block to run."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import tba
-from tba.cache.clock import default_clock
-from tba.cache.profile import StepProfile
-from tba.cache.scopes import Unit
+from tba.cache.observe.clock import default_clock
+from tba.cache.policy.profile import StepProfile
+from tba.cache.steps.scopes import Unit
 from tba.testing import probe
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
@@ -210,7 +210,7 @@ def test_run_order_observed_again_with_each_profile() -> None:
 
 
 def test_renumbering_moves_the_profile_with_the_blocks() -> None:
-    from tba.cache.run_order import RunOrder
+    from tba.cache.capture.run_order import RunOrder
 
     units = [Unit(nn.Linear(1, 1), f"b{i}", i) for i in range(3)]
     order = RunOrder(units)

@@ -1,5 +1,5 @@
 """Every kind of tensor autograd can save is managed correctly or passed through unmanaged
-(Note [What tba manages] in tba/cache/saving.py): each case below saves one kind inside a
+(Note [What tba manages] in tba/cache/capture/saving.py): each case below saves one kind inside a
 configured block, and training with tba equals training without it, bit for bit, with each
 offloader."""
 

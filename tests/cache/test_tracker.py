@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from tba import _torch_compat as compat
-from tba.cache.policy import Boundary
-from tba.cache.scopes import Unit
-from tba.cache.stages import StageHint
-from tba.cache.tracker import StepTracker
+from tba.cache.policy.boundary import Boundary
+from tba.cache.steps.scopes import Unit
+from tba.cache.steps.stages import StageHint
+from tba.cache.steps.tracker import StepTracker
 from torch import nn
 
 

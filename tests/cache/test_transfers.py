@@ -191,3 +191,68 @@ def test_custom_offloader_bit_exact_and_released() -> None:
     assert_bytes_moved(cache)
     assert offloader.num_stores > 0 and offloader.num_loads > 0
     assert offloader.closed and not offloader.blobs
+
+
+class _WaitingStreams(RecordingStreams):
+    """A stream layer whose devices run behind the CPU: entering a transfer waits ``lag_s`` (on a
+    fake clock) for the producer, as a GPU store waits for the kernel that made its tensor."""
+
+    def __init__(self, clock: "_FakePerfCounter", lag_s: float) -> None:
+        super().__init__()
+        self.clock, self.lag_s = clock, lag_s
+
+    def transfer(self, device, kind, wait_for):  # type: ignore[no-untyped-def]
+        context = super().transfer(device, kind, wait_for)
+
+        class Waiting:
+            def __enter__(inner) -> None:
+                context.__enter__()
+                self.clock.advance(self.lag_s)
+
+            def __exit__(inner, *exc) -> None:  # type: ignore[no-untyped-def]
+                context.__exit__(*exc)
+
+        return Waiting()
+
+
+class _FakePerfCounter:
+    """The ``time`` module, but ``perf_counter`` runs ahead by what ``advance`` added."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._time, self._offset, self._lock = time, 0.0, threading.Lock()
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._offset += seconds
+
+    def perf_counter(self) -> float:
+        with self._lock:
+            return self._time.perf_counter() + self._offset
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._time, name)
+
+
+def test_transfer_time_excludes_the_wait_for_the_producer(monkeypatch) -> None:
+    """Note [Transfer time is the copy's]: a store or load whose stream waits 100 s for its
+    producer (or for the reload buffer's allocation) counts only the copy in ``write_s`` /
+    ``read_s``, so the bandwidth the policy decides from is the copy's."""
+    from tba.cache.engine import workers
+
+    clock = _FakePerfCounter()
+    monkeypatch.setattr(workers, "time", clock)
+    streams = _WaitingStreams(clock, lag_s=100.0)
+    model = models.Stack(num_blocks=4)
+    cache = make_cache(model, FakeOffloader(), streams, prefetch_modules=0)
+    loss = model(models.vector_batch(0))
+    cache.wait_for_stores(60)
+    loss.backward()
+    stats = cache.stats()
+    cache.close()
+    assert stats.num_offloaded > 0 and stats.reloaded_bytes > 0
+    entered = sum(1 for e in streams.log if e[0] == "enter")
+    assert entered >= stats.num_offloaded + 1  # every store and at least one load waited 100 s
+    assert stats.write_s < 50.0, f"write_s {stats.write_s:.1f} s counts the wait for the producer"
+    assert stats.read_s < 50.0, f"read_s {stats.read_s:.1f} s counts the wait for the allocation"

@@ -1,5 +1,5 @@
 """The skeleton every pipeline integration shares (tba/integrations/_engine.py) and the one
-home of the action names (tba/cache/stages.py). In-process, no engine needed."""
+home of the action names (tba/cache/steps/stages.py). In-process, no engine needed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typing
 
 import pytest
 
-from tba.cache import stages
+from tba.cache.steps import stages
 from tba.integrations import _hints, torch_pipelining
 from tba.integrations._engine import Engine, import_extra, wrapper
 from tba.integrations._patching import IntegrationVersionError, VersionRange

@@ -209,7 +209,7 @@ def test_pageable_pool_gives_released_pages_back() -> None:
 
 
 def test_reserve_zero_gives_back_empty_slabs() -> None:
-    # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps.py: the
+    # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps/steps.py: the
     # cache calls reserve(0) when its policy offloads nothing; slabs holding a token stay.
     off = HostOffloader()
     try:

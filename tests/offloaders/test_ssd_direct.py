@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tba.cache.streams import host_buffer
+from tba.cache.engine.streams import host_buffer
 from tba.errors import OffloadIOError
 from tba.offloaders.ssd import SSDOffloader
 from tba.offloaders.ssd._windows import plan_pieces

@@ -289,7 +289,7 @@ def test_storing_leaves_the_source_resizable(offloader: SSDOffloader) -> None:
 
 
 def test_reserve_zero_frees_idle_staging_buffers(offloader: SSDOffloader) -> None:
-    # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps.py: the
+    # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps/steps.py: the
     # staging buffers of the posix engine go; the next unaligned store makes one again.
     src = typed_tensor(3 * _MiB + 5, torch.uint8)[5:]  # not page-aligned: staged
     token = offloader.store(src)

@@ -240,7 +240,7 @@ def test_config_rejects_bad_budgets_with_every_problem_at_once(bad: object) -> N
 def test_placement_line_example_runs() -> None:
     import doctest
 
-    import tba.cache.stats
+    import tba.cache.observe.stats
 
-    result = doctest.testmod(tba.cache.stats, raise_on_error=False, verbose=False)
+    result = doctest.testmod(tba.cache.observe.stats, raise_on_error=False, verbose=False)
     assert result.attempted > 0 and result.failed == 0

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from tba.cache.engine.entries import Entry
 from tba.cache.engine.states import HOLDS, State
-from tba.cache.stats import CacheStats
+from tba.cache.observe.stats import CacheStats
 
 if TYPE_CHECKING:
     import threading

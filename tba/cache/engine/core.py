@@ -20,28 +20,26 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from tba.cache import interrupts
+from tba.cache.engine import interrupts
 from tba.cache.engine.accounting import EngineAccounting
-from tba.cache.engine.entries import Entry, Geometry, Handle, HandleRef, Transfer
+from tba.cache.engine.entries import (
+    Entry, Geometry, Handle, HandleRef, SavedRecord, SavedScope, Transfer,
+)
 from tba.cache.engine.states import DROP_KEPT_ROW, HOLDS_DATA, KEEP_ROW, ROWS, Event, State
-from tba.cache.engine.table import FAMILY_ATTR, STAMP_ATTR, next_stamp
-from tba.cache.engine.table import EntryTable
+from tba.cache.engine.streams import StreamLayer
+from tba.cache.engine.table import FAMILY_ATTR, STAMP_ATTR, EntryTable, next_stamp
 from tba.cache.engine.waits import EngineWaits
 from tba.cache.engine.workers import TransferWorkers
-from tba.cache.profiler_ranges import LoadDone
-from tba.cache.stats import CacheStats
-from tba.cache.streams import StreamLayer
-from tba.cache.trace import TraceRecorder
+from tba.cache.observe.profiler_ranges import LoadDone
+from tba.cache.observe.stats import CacheStats
+from tba.cache.observe.trace import TraceRecorder
 from tba.errors import TBAError
 from tba.offloaders.base import Offloader
 from tba.settings import INLINE_MAX_BYTES, WAKE_BYTES
-
-if TYPE_CHECKING:
-    from tba.cache.scopes import Record, Scope
 
 __all__ = ["Engine"]
 
@@ -107,7 +105,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         # HandleRefs of dead handles: appended by their weakref callback, drained under the lock.
         self.released: collections.deque[HandleRef] = collections.deque()
         self._queue_release = self.released.append
-        self.on_records_dead: Callable[[list[Record]], None] = lambda records: None
+        self.on_records_dead: Callable[[list[SavedRecord]], None] = lambda records: None
         self._store_q: collections.deque[Entry] = collections.deque()
         self._load_q: collections.deque[Entry] = collections.deque()
         self._threads: list[threading.Thread] = []
@@ -126,7 +124,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         self.peak_held_bytes = 0
         self._unwoken_bytes = 0  # queued since the workers were last woken
         # A reserve() the store worker makes when idle; None: none pending (0 is a request:
-        # Note [A keep-everything decision holds no offloader memory] in steps.py).
+        # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps/steps.py).
         self._reserve_bytes: int | None = None
         self._progress = 0  # transfers finished: waits fail only when this stops moving
         self.step = CacheStats()
@@ -165,8 +163,8 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         tensor: torch.Tensor,
         storage: torch.UntypedStorage,
         root: torch.Tensor,
-        scope: Scope,
-        record: Record,
+        scope: SavedScope,
+        record: SavedRecord,
         offload: bool,
     ) -> tuple[Handle, Entry | None]:
         """A handle for ``tensor`` (a plain strided tensor on ``storage``, ``root`` the base of
@@ -348,7 +346,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
 
     def _drain_locked(self) -> None:
         released = self.released
-        dead: list[Record] = []
+        dead: list[SavedRecord] = []
         while released:
             ref = released.popleft()
             entry = ref.entry

@@ -1,21 +1,46 @@
 """`Entry` (one saved storage of one version-counter family at one version), its `Transfer`
 fields (only for entries that are offloaded), and `Handle` (what autograd keeps instead of the
-tensor)."""
+tensor); `SavedScope` and `SavedRecord`: what the engine knows of the scopes and records of the
+capture side (``tba.cache.steps.scopes``), which it holds for the capture but never imports."""
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tba.cache.engine.states import State
+from tba.cache.observe.profiler_ranges import UnitScope
 
 if TYPE_CHECKING:
-    from tba.cache.profiler_ranges import LoadDone
-    from tba.cache.scopes import Record, Scope
+    from tba.cache.observe.profiler_ranges import LoadDone
 
-__all__ = ["Entry", "Transfer", "Handle", "HandleRef", "Geometry"]
+__all__ = ["Entry", "Transfer", "Handle", "HandleRef", "Geometry", "SavedScope", "SavedRecord"]
+
+
+class SavedScope(UnitScope, Protocol):
+    """The scope a tensor was saved into, as the engine sees it (``Scope``): whether its
+    tensors stay in memory, its entries in save order (what backward prefetches), and its unit
+    (for ranges and messages). Entries and handles keep the object they were given, so the
+    capture side reads its own ``Scope`` back from them."""
+
+    @property
+    def keep(self) -> bool: ...
+
+    @property
+    def entries(self) -> list[Entry]: ...
+
+
+class SavedRecord(Protocol):
+    """The forward pass a handle belongs to, as the engine sees it (``Record``): its live
+    handles (the engine counts them) and whether its forward ended (then no handle left means
+    its graph is gone)."""
+
+    num_handles: int
+
+    @property
+    def forward_done(self) -> bool: ...
 
 #: A saved tensor's (dtype, size, stride, storage offset): enough to view it on its storage.
 Geometry = tuple[torch.dtype, torch.Size, tuple[int, ...], int | torch.SymInt]
@@ -62,7 +87,7 @@ class Entry:
         tensor: torch.Tensor,
         data: torch.UntypedStorage,
         nbytes: int,
-        scope: Scope,
+        scope: SavedScope,
     ) -> None:
         self.stamp = stamp
         self.family = family  # stamp of the family's root tensor (Note [Version-counter families])
@@ -104,7 +129,7 @@ class Handle:
 
     __slots__ = ("entry", "geometry", "scope", "__weakref__")
 
-    def __init__(self, entry: Entry, geometry: Geometry | None, scope: Scope) -> None:
+    def __init__(self, entry: Entry, geometry: Geometry | None, scope: SavedScope) -> None:
         self.entry = entry
         self.geometry = geometry
         self.scope = scope
@@ -117,4 +142,4 @@ class HandleRef(weakref.ref[Handle]):
     __slots__ = ("entry", "record")
 
     entry: Entry
-    record: Record
+    record: SavedRecord

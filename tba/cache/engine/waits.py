@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     import threading
 
     from tba.cache.engine.table import EntryTable
-    from tba.cache.profiler_ranges import LoadDone
-    from tba.cache.stats import CacheStats
-    from tba.cache.trace import TraceRecorder
+    from tba.cache.observe.profiler_ranges import LoadDone
+    from tba.cache.observe.stats import CacheStats
+    from tba.cache.observe.trace import TraceRecorder
     from tba.offloaders.base import Offloader
 
 __all__ = ["EngineWaits"]

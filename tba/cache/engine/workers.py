@@ -19,15 +19,15 @@ import torch
 from tba._torch_compat import release_alias, storage_bytes
 from tba.cache.engine.entries import Entry, Transfer
 from tba.cache.engine.states import Event, State
-from tba.cache.profiler_ranges import transfer_range
+from tba.cache.observe.profiler_ranges import transfer_range
 from tba.errors import OffloadIOError, TBAError
 from tba.offloaders.cpu_time import TransferCPU
 from tba.settings import DIRECT_IO_ALIGNMENT
 
 if TYPE_CHECKING:
-    from tba.cache.stats import CacheStats
-    from tba.cache.streams import StreamLayer
-    from tba.cache.trace import TraceRecorder
+    from tba.cache.engine.streams import StreamLayer
+    from tba.cache.observe.stats import CacheStats
+    from tba.cache.observe.trace import TraceRecorder
     from tba.offloaders.base import Offloader
 
 __all__ = ["TransferWorkers"]
@@ -238,11 +238,12 @@ class TransferWorkers:
 
     def _run_store(self, entry: Entry, storage: torch.UntypedStorage, xfer: Transfer) -> None:
         """On a store worker, no lock held, the entry STORING: copy ``storage`` out."""
-        start = time.perf_counter()
+        start = copy_start = time.perf_counter()
         src = storage_bytes(storage)
         token, failure, cpu = None, None, TransferCPU()
         try:
             with cpu, transfer_range("store", entry), self.streams.transfer(xfer.device, "store", xfer.event):
+                copy_start = time.perf_counter()  # Note [Transfer time is the copy's]
                 token = self.offloader.store(src)
         except Exception as exc:  # re-raised on the training thread, never swallowed
             failure = exc
@@ -264,7 +265,7 @@ class TransferWorkers:
             elif failure is not None:
                 self._store_failed(entry, failure)
             else:
-                self.step.write_s += end - start
+                self.step.write_s += end - copy_start
                 xfer.token, xfer.page_offset = token, page_offset
                 new = self._apply(entry, E.STORE_DONE)
                 if new is S.DROPPED:
@@ -379,13 +380,14 @@ class TransferWorkers:
         """On a load worker, no lock held, the entry LOADING: read it back and account for the
         result; the unpack that waits finds a failure in ``xfer.error``."""
         done = xfer.load_done
-        start = time.perf_counter()
+        start = copy_start = time.perf_counter()
         dst, event, failure, cpu = None, None, None, TransferCPU()
         try:
             with cpu:
                 # Note [Reload buffers on the consumer's stream]
                 dst, ready = self.streams.allocate(xfer.device, entry.nbytes, xfer.event, xfer.page_offset)
                 with transfer_range("load", entry), self.streams.transfer(xfer.device, "load", ready):
+                    copy_start = time.perf_counter()  # Note [Transfer time is the copy's]
                     self.offloader.load(token, dst)
                     event = self.streams.loaded_event(xfer.device)
         except Exception as exc:  # re-raised on the training thread by fetch()
@@ -394,7 +396,7 @@ class TransferWorkers:
         self.trace.span("load", start, end, entry.nbytes, failure is None)
         with self.lock:
             self.step.io_cpu_s += cpu.seconds
-            self._finish_load(entry, xfer, dst, event, failure, end - start)
+            self._finish_load(entry, xfer, dst, event, failure, end - copy_start)
         if done is not None:
             done.set()
         failure = dst = None  # see _run_store

@@ -34,12 +34,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tba import _torch_compat as compat
-from tba.cache import interrupts
-from tba.cache.forward_state import ThreadState
-from tba.cache.policy import Boundary
-from tba.cache.scopes import Record, Scope
-from tba.cache.stages import StageHint
-from tba.cache.steps import tensors_in
+from tba.cache.engine import interrupts
+from tba.cache.policy.boundary import Boundary
+from tba.cache.steps.forward_state import ThreadState
+from tba.cache.steps.scopes import Record, Scope
+from tba.cache.steps.stages import StageHint
+from tba.cache.steps.steps import tensors_in
 
 if TYPE_CHECKING:
     from tba.cache.engine.entries import Entry

@@ -28,8 +28,8 @@ import torch
 
 from tba import _torch_compat as compat
 from tba.cache.engine import Handle
-from tba.cache.policy import Boundary
-from tba.cache.stats import CacheStats, format_bytes
+from tba.cache.observe.stats import CacheStats, format_bytes
+from tba.cache.policy.boundary import Boundary
 from tba.config import TensorCacheConfig
 
 __all__ = ["NoOffloadDiagnosis"]

@@ -1,10 +1,10 @@
 """`CacheHooks`: PyTorch's module hooks, turned into the tracker's events.
 
 The model owns its cache through these hooks (Note [The model owns its cache] in
-tensor_cache.py): each module hook holds this object, which holds the cache. Saved-tensor hooks
-are thread-local in PyTorch, so each thread that runs a forward of the model enters its own
-``saved_tensors_hooks`` context and keeps its own nesting depth, unit stack and skip depth
-(``ThreadState``); records, entries and transfers are shared.
+tba/cache/tensor_cache.py): each module hook holds this object, which holds the cache.
+Saved-tensor hooks are thread-local in PyTorch, so each thread that runs a forward of the model
+enters its own ``saved_tensors_hooks`` context and keeps its own nesting depth, unit stack and
+skip depth (``ThreadState``); records, entries and transfers are shared.
 """
 
 from __future__ import annotations
@@ -20,22 +20,19 @@ import torch
 from torch import nn
 
 from tba import _torch_compat as compat
-from tba.cache import interrupts
-from tba.cache.engine import Engine
-from tba.cache.forward_state import on_stack, torch_caller
-from tba.cache.hook_stack import ChainedHooks, hooks_for_forward
-from tba.cache.module_hook import ModuleHook
-from tba.cache.run_order import RunOrder
-from tba.cache.saving import SavedTensors
-from tba.cache.scopes import Scope, Unit, matches
-from tba.cache.steps import Steps
-from tba.cache.tracker import StepTracker
+from tba.cache.capture.hook_stack import ChainedHooks, hooks_for_forward
+from tba.cache.capture.module_hook import ModuleHook
+from tba.cache.capture.run_order import RunOrder
+from tba.cache.capture.saving import SavedTensors
+from tba.cache.engine import Engine, interrupts
+from tba.cache.steps.forward_state import on_stack, torch_caller
+from tba.cache.steps.scopes import Scope, Unit, matches
+from tba.cache.steps.steps import Steps
+from tba.cache.steps.tracker import StepTracker
 from tba.config import TensorCacheConfig
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
-
-    from tba.cache.tensor_cache import TensorCache
 
 __all__ = ["CacheHooks"]
 
@@ -45,12 +42,13 @@ class CacheHooks:
     forward enters ``saved``'s pack and unpack hooks.
 
     Args:
-        owner: what the hooks keep alive (the cache).
+        owner: what the hooks keep alive (the cache: Note [The model owns its cache]); only
+            held, never called, so the hooks know nothing of its type.
     """
 
     def __init__(
         self,
-        owner: TensorCache,
+        owner: object,
         model: nn.Module,
         config: TensorCacheConfig,
         units: list[Unit],
@@ -148,7 +146,7 @@ class CacheHooks:
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         # Under backend="tba" the model's own hooks run eagerly around its compiled forward:
         # they open its record and enter no saved-tensor hooks; the graphs' store ops save
-        # into it (Note [The cache under compiled graphs] in tba/cache/compiled.py).
+        # into it (Note [The cache under compiled graphs] in tba/cache/capture/compiled.py).
         compiled = compat.running_for_tba()
         if not torch.is_grad_enabled() or compat.in_backward():
             if self.on_forward_skipped is not None:
@@ -196,7 +194,7 @@ class CacheHooks:
     def open_forward(self, model: nn.Module, inputs: Any) -> None:
         """A forward of ``model`` opens its record on this thread (lock held): the step, the
         profile, the tail. The eager forward's saved-tensor hooks, or the store ops of a graph
-        compiled by ``backend="tba"`` (tba/cache/compiled.py), then save into it."""
+        compiled by ``backend="tba"`` (tba/cache/capture/compiled.py), then save into it."""
         saved, steps = self.saved, self.steps
         saved.param_ptrs = frozenset(
             compat.local_tensor(t).untyped_storage().data_ptr()

@@ -15,7 +15,7 @@ class CacheStats:
     (``TensorCache.stats(cumulative=True)``).
 
     A step is one or more forwards of the model and the backward passes of their graphs (Note
-    [Step boundaries] in tba/cache/tracker.py; with pipeline hints, the whole schedule).
+    [Step boundaries] in tba/cache/steps/tracker.py; with pipeline hints, the whole schedule).
 
     Attributes:
         num_steps: steps these counters cover.

@@ -24,10 +24,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from tba.cache.scopes import Unit
+from tba.cache.steps.scopes import Unit
 
 if TYPE_CHECKING:
-    from tba.cache.profile import StepProfile
+    from tba.cache.policy.profile import StepProfile
 
 __all__ = ["RunOrder"]
 

@@ -48,9 +48,9 @@ import torch
 from torch import nn
 
 from tba import _torch_compat as compat
+from tba.cache.capture.packed import PackedSubclass
+from tba.cache.capture.saving import SavedTensors
 from tba.cache.engine import Handle
-from tba.cache.packed import PackedSubclass
-from tba.cache.saving import SavedTensors
 from tba.errors import TBAError
 
 __all__ = ["ChainedHooks", "PackedItems", "hooks_for_forward", "outer_pair", "attach", "detach"]

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from tba.cache.clock import StepClock, default_clock
-from tba.cache.closed_loop import KEEP_MARGIN, OverheadLoop, free_memory_bytes
-from tba.cache.policy import Boundary, BoundaryDecision
-from tba.cache.profile import StepProfile
-from tba.cache.stats import CacheStats, format_bytes
+from tba.cache.observe.clock import StepClock, default_clock
+from tba.cache.observe.stats import CacheStats, format_bytes
+from tba.cache.policy.boundary import Boundary, BoundaryDecision
+from tba.cache.policy.closed_loop import KEEP_MARGIN, OverheadLoop, free_memory_bytes
+from tba.cache.policy.profile import StepProfile
 from tba.config import TensorCacheConfig
 from tba.offloaders.base import Offloader
 from tba.settings import BANDWIDTH_DRIFT
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class Steps:
     """Keeps the finished steps' counters and runs the adaptive cycle.
 
-    The step tracker (tba/cache/tracker.py) says where steps begin and end: ``begin_forward``
+    The step tracker (tba/cache/steps/tracker.py) says where steps begin and end: ``begin_forward``
     at each forward, ``finish`` when a step ends (Note [Step boundaries]). With ``adaptive``,
     the step ``profile_step`` is profiled and the boundary decided from it; a change of input
     shapes, of forwards per step, or of the measured write bandwidth schedules a new profile;

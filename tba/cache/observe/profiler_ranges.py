@@ -18,29 +18,50 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tba._torch_compat import profiler_enabled
 
-if TYPE_CHECKING:
-    from tba.cache.engine.entries import Entry
-    from tba.cache.scopes import Scope
-
-__all__ = ["transfer_range", "LoadDone", "unit_name"]
+__all__ = ["transfer_range", "LoadDone", "unit_name", "NamedUnit", "UnitScope", "Transferred"]
 
 _OFF = contextlib.nullcontext()
 
 
-def unit_name(scope: Scope | None) -> str:
+class NamedUnit(Protocol):
+    """A unit as a range names it (``tba.cache.steps.scopes.Unit``)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+class UnitScope(Protocol):
+    """A scope as a range names it (``tba.cache.steps.scopes.Scope``): the unit whose forward
+    saved into it, None for tensors saved outside every unit."""
+
+    @property
+    def unit(self) -> NamedUnit | None: ...
+
+
+class Transferred(Protocol):
+    """What a range needs of a stored or loaded entry (``tba.cache.engine.entries.Entry``)."""
+
+    @property
+    def scope(self) -> UnitScope: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+def unit_name(scope: UnitScope | None) -> str:
     """The name of the unit whose forward saved into ``scope`` (the model itself for tensors
     saved outside every unit)."""
     unit = getattr(scope, "unit", None)
     return (unit.name if unit is not None else "") or "model"  # "": the model as its one unit
 
 
-def transfer_range(kind: str, entry: Entry) -> contextlib.AbstractContextManager[object]:
+def transfer_range(kind: str, entry: Transferred) -> contextlib.AbstractContextManager[object]:
     """A ``tba::<kind> <unit>`` range around a transfer of ``entry`` while a profiler runs."""
     if not profiler_enabled():
         return _OFF
@@ -53,7 +74,7 @@ class LoadDone(threading.Event):
     """Set when a load finished. Waiting for it is a stall of the training thread, shown as a
     ``tba::stall <unit>`` range while a profiler runs."""
 
-    def __init__(self, scope: Scope | None) -> None:
+    def __init__(self, scope: UnitScope | None) -> None:
         super().__init__()
         self._unit = getattr(scope, "unit", None)  # not the scope: it holds the entries
 

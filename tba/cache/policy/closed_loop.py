@@ -67,7 +67,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tba.cache.paired_ratios import PairedOverhead, judge, median
+from tba.cache.policy.paired_ratios import PairedOverhead, judge, median
 from tba.settings import CLOSED_LOOP_BASELINE_KEEPS as BASELINE_KEEPS
 from tba.settings import CLOSED_LOOP_CONFIDENCE as CONFIDENCE
 from tba.settings import CLOSED_LOOP_DRIFT_WINDOW as DRIFT_WINDOW

@@ -22,6 +22,16 @@ kernels' output, reload buffers used on another stream without ordering):
    Note [Direct windows]) can then read every whole page straight into it; an aligned buffer
    would face the file's pages shifted and need a copy per byte. The buffer is a view into a
    slightly larger allocation (one page more), kept alive by the storage the entry holds.
+5. Note [Transfer time is the copy's]: the write and read bandwidths the policy decides from
+   (``CacheStats.write_s`` / ``read_s``) time the copies, not the wait for the kernel that
+   produced the tensor (or for the consumer stream to reach a reload buffer's allocation). On
+   a GPU the training thread runs ahead of the GPU by up to a whole forward, so a store picked
+   up at once waits for compute first; timed from its pick-up, the first GPU run measured the
+   host offloader at 3.2 GB/s next to a 55 GB/s copy engine, and the adaptive policy then kept
+   every block. ``transfer`` therefore waits on the CPU (a blocking event: the worker sleeps)
+   until ``wait_for`` has happened before it yields, and the engine times the copy from there.
+   The worker was blocked until the copy ended anyway, so nothing runs later than before.
+   Tested in tests/cache/test_transfers.py::test_transfer_time_excludes_the_wait_for_the_producer.
 The cache talks only to the ``StreamLayer`` protocol below, so CPU tests drive exactly this
 ordering logic with recording fakes (tests/cache/fakes.py).
 """
@@ -63,7 +73,9 @@ class StreamLayer(Protocol):
         self, device: torch.device, kind: str, wait_for: Any | None
     ) -> contextlib.AbstractContextManager[None]:
         """On a worker thread: make the ``kind`` ("store"/"load") transfer stream current and
-        order it after ``wait_for`` (a producer token, or an allocation's ready token)."""
+        order it after ``wait_for`` (a producer token, or an allocation's ready token); a layer
+        whose devices run asynchronously returns from entering only once ``wait_for`` has
+        happened, so the time inside is the copy's (Note [Transfer time is the copy's])."""
         ...
 
     def allocate(
@@ -106,7 +118,7 @@ class DeviceStreams:
         if device.type != "cuda":
             return None
         stream = torch.cuda.current_stream(device)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # waited on by a worker: sleep, don't spin
         event.record(stream)
         return (event, stream)
 
@@ -119,6 +131,8 @@ class DeviceStreams:
         with torch.cuda.device(device), torch.cuda.stream(stream):
             if wait_for is not None:
                 stream.wait_event(wait_for[0])
+                # Note [Transfer time is the copy's]: the worker waits here, not in the copy.
+                wait_for[0].synchronize()
             yield
 
     def allocate(
@@ -135,7 +149,7 @@ class DeviceStreams:
         # hold reload buffers with cuFile.
         with torch.cuda.device(device), torch.cuda.stream(stream), tagged_allocations():
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)
             ready.record(stream)
         return buffer, (ready, stream)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tba.cache.clock import StepClock
+from tba.cache.observe.clock import StepClock
 
 __all__ = ["StepProfile"]
 

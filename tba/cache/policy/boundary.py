@@ -25,7 +25,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
-from tba.cache.stats import format_bytes
+from tba.cache.observe.stats import format_bytes
 
 __all__ = ["Boundary", "BoundaryDecision", "solve_boundary", "solve_budget", "estimate_peak"]
 

@@ -154,7 +154,7 @@ class Scope:
 
 class Record:
     """One forward pass of the model (one microbatch of one stage): its scopes in forward
-    order, and where it stands (Note [Step boundaries] in tba/cache/tracker.py)."""
+    order, and where it stands (Note [Step boundaries] in tba/cache/steps/tracker.py)."""
 
     __slots__ = (
         "key", "seq", "scopes", "keep_tail", "in_tail", "forward_done", "backward_started",

@@ -21,11 +21,12 @@ from types import FrameType
 import torch
 
 from tba import _torch_compat as compat
-from tba.cache.scopes import ForwardPass
+from tba.cache.steps.scopes import ForwardPass
 
 __all__ = ["ThreadState", "torch_caller", "on_stack"]
 
-_TBA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tba/ (this file is tba/cache/steps/forward_state.py): frames of tba's own code are skipped.
+_TBA_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def torch_caller() -> FrameType | None:
@@ -70,7 +71,8 @@ class ThreadState(threading.local):
 
     def enter_skipped(self) -> None:
         """A module of ``skip_modules`` begins. The outermost one takes this forward's pair
-        off the stack when it is on top (Note [Stepping aside] in hook_stack.py)."""
+        off the stack when it is on top (Note [Stepping aside] in
+        tba/cache/capture/hook_stack.py)."""
         forward = self.forward
         forward.skip_depth += 1
         ctx = self.ctx

@@ -41,16 +41,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tba import _torch_compat as compat
-from tba.cache import interrupts
-from tba.cache.scopes import Unit
+from tba.cache.engine import interrupts
+from tba.cache.steps.scopes import Unit
+from tba.config import TensorCacheConfig
 from tba.errors import TBAError
 
 if TYPE_CHECKING:
-    from tba.cache.hooks import CacheHooks
-    from tba.cache.saving import SavedTensors
-    from tba.cache.tensor_cache import TensorCache
+    from torch import nn
 
-__all__ = ["CompiledForwards", "compiled_forwards"]
+    from tba.cache.capture.hooks import CacheHooks
+    from tba.cache.capture.saving import SavedTensors
+
+__all__ = ["CompiledForwards"]
 
 _NO_UNIT = object()  # the open run has entered no unit yet
 
@@ -65,18 +67,24 @@ class _ThreadRun(threading.local):
 class CompiledForwards:
     """What the ops of a graph compiled with ``backend="tba"`` call on one cache (Note [The
     cache under compiled graphs]). Holds the cache's parts, never the cache itself, so a live
-    compiled graph does not keep the cache alive (Note [The model owns its cache]).
+    compiled graph does not keep the cache alive (Note [The model owns its cache]); made by
+    ``TensorCache._compiled_forwards``.
 
     Args:
-        cache: the tensor cache the graph offloads with.
+        hooks: the cache's module hooks (weakly: the model holds them).
+        model: the configured model (weakly).
+        saved: the cache's pack and unpack hooks.
+        config: the cache's options.
+        units: the cache's units.
     """
 
-    def __init__(self, cache: TensorCache) -> None:
-        self._hooks: weakref.ref[CacheHooks] = cache._hooks
-        self._model = cache._model
-        self.saved: SavedTensors = cache._saved
-        self.config = cache.config
-        self._units = {unit.name: unit for unit in cache.units}
+    def __init__(self, hooks: weakref.ref[CacheHooks], model: weakref.ref[nn.Module],
+                 saved: SavedTensors, config: TensorCacheConfig, units: list[Unit]) -> None:
+        self._hooks = hooks
+        self._model = model
+        self.saved = saved
+        self.config = config
+        self._units = {unit.name: unit for unit in units}
         self._longest_first = sorted(self._units, key=len, reverse=True)
         self._paths: dict[str, Unit | None] = {}
         self._names: dict[int, str] = {}  # parameter and buffer data pointers -> their names
@@ -221,16 +229,3 @@ class CompiledForwards:
         engine.flush()
         if interrupts.pending:
             interrupts.raise_pending()
-
-
-_seams: weakref.WeakKeyDictionary[TensorCache, CompiledForwards] = weakref.WeakKeyDictionary()
-_seams_lock = threading.Lock()
-
-
-def compiled_forwards(cache: TensorCache) -> CompiledForwards:
-    """The one ``CompiledForwards`` of ``cache``."""
-    with _seams_lock:
-        seam = _seams.get(cache)
-        if seam is None:
-            seam = _seams[cache] = CompiledForwards(cache)
-        return seam

@@ -3,7 +3,7 @@ come back).
 
 Autograd keeps the hook pair with every tensor it saves, so a live graph holds this object: it
 refers to the engine and the tracker, never to the cache, its hooks or the model (Note [Graphs
-do not own the model] in tba/cache/scopes.py).
+do not own the model] in tba/cache/steps/scopes.py).
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from tba import _torch_compat as compat
-from tba.cache import interrupts
-from tba.cache.engine import Engine, Handle
-from tba.cache.forward_state import ThreadState, on_stack
-from tba.cache.packed import NESTED_TYPE_NAME, PackedSubclass, modified_error, offloadable_subclass
-from tba.cache.tracker import StepTracker
+from tba.cache.capture.packed import (
+    NESTED_TYPE_NAME, PackedSubclass, modified_error, offloadable_subclass,
+)
+from tba.cache.engine import Engine, Handle, interrupts
+from tba.cache.steps.forward_state import ThreadState, on_stack
+from tba.cache.steps.tracker import StepTracker
 from tba.errors import TBAError
 
 if TYPE_CHECKING:
-    from tba.cache.profile import StepProfile
-    from tba.cache.scopes import Scope
+    from tba.cache.policy.profile import StepProfile
+    from tba.cache.steps.scopes import Scope
 
 __all__ = ["SavedTensors"]
 
