@@ -7,6 +7,8 @@ Strategies, each its own copy of the model from one seed, compiled whole (``full
 - ``tba-host`` / ``tba-ssd``: ``torch.compile(model, backend="tba")`` with a tensor cache
   offloading to host memory / to SSD: every block but the last (the ROK sweep's fixed offload
   strategies: ``keep_last_modules=1``, its ``min_offload_bytes``, no adaptive policy).
+- ``tba-none``: the same with ``offloader="none"``: tba's ops and bookkeeping in the graph,
+  no byte moved (what the rewrite itself costs).
 - ``torch-offload``: PyTorch's own pass (``torch._functorch.config.enable_activation_offloading``;
   torch 2.13 lets nothing but a graph pass choose what it offloads, so a joint-graph pass marks
   every forward op, and the pass offloads what it can: no views, contiguous tensors), on CUDA
@@ -59,7 +61,7 @@ from tba.rok._cli import _CPU_MODEL, _QUICK_MODEL, _cpu_threads, _cuda_model  # 
 from tba.rok._saved import SavedActivationMeter  # noqa: E402
 from tba.rok._worker import build_model  # noqa: E402
 
-STRATEGIES = ("keep", "tba-host", "tba-ssd", "torch-offload")
+STRATEGIES = ("keep", "tba-none", "tba-host", "tba-ssd", "torch-offload")
 
 
 @dataclass

@@ -81,6 +81,7 @@ def rules_for(cache: TensorCache, model: nn.Module,
         skipped=functools.lru_cache(maxsize=None)(
             functools.partial(_skipped, model, tuple(cache.config.skip_modules))),
         input_paths=input_paths,
+        min_bytes=max(1, cache.config.min_offload_bytes),
     )
 
 

@@ -4,7 +4,7 @@ Pure FX analysis of the forward graph AOTAutograd's partitioner produced (its ou
 user's outputs, then the values saved for backward). Nothing here runs a graph.
 
 Note [What a compiled graph stores]: a saved value is stored when it is a tensor on one of the
-cache's ``offload_devices``, strided and not empty, computed from the graph's inputs (a value
+cache's ``offload_devices``, strided, on a storage not known to be under ``min_offload_bytes``, computed from the graph's inputs (a value
 computed from constants alone is folded by Inductor), not a view of a graph input (parameters,
 buffers and the user's inputs are never offloaded) nor of a user-visible output (the caller
 holds those anyway), and not saved by a module of ``skip_modules``. Saved values that view one
@@ -111,12 +111,14 @@ class Rules:
         skipped: whether a module path is under a module of ``skip_modules``.
         input_paths: for each input of the compiled frame, the path of the parameter or
             buffer it is, relative to the frame's module (None: not one).
+        min_bytes: storages known to be smaller (``min_offload_bytes``) are not stored.
     """
 
     devices: frozenset[str]
     unit_of: Callable[[str], str | None]
     skipped: Callable[[str], bool]
     input_paths: tuple[str | None, ...] = ()
+    min_bytes: int = 0
 
 
 def _candidate(node: fx.Node, rules: Rules) -> bool:
@@ -129,6 +131,13 @@ def _candidate(node: fx.Node, rules: Rules) -> bool:
         and not node.meta.get("saved_tensor_with_no_vc_check", False)
         and not _statically_empty(value)
     )
+
+
+def _small(node: fx.Node, min_bytes: int) -> bool:
+    """Whether the node's storage is known to hold fewer than ``min_bytes`` (the cache would
+    keep it in memory: a store op would only cost time)."""
+    nbytes = node.meta["val"].untyped_storage().nbytes()
+    return isinstance(nbytes, int) and nbytes < min_bytes
 
 
 def _statically_empty(value: torch.Tensor) -> bool:
@@ -198,7 +207,7 @@ def plan_stores(fw: fx.GraphModule, num_fwd_outputs: int, rules: Rules) -> list[
         if not isinstance(node, fx.Node) or node not in computed or not _candidate(node, rules):
             continue
         key = storage_key(node)
-        if key is not None and key not in excluded:
+        if key is not None and key not in excluded and not _small(node, rules.min_bytes):
             members.setdefault(key, []).append(node)
     groups = []
     for key, group in members.items():

@@ -76,7 +76,8 @@ _graph_ids = itertools.count()
 def fingerprint(cache: TensorCache) -> tuple[object, ...]:
     """The options a graph's plan was made with (which values, which units)."""
     config = cache.config
-    return (tuple(sorted(config.offload_devices)), config.skip_modules, config.block_modules)
+    return (tuple(sorted(config.offload_devices)), config.skip_modules, config.block_modules,
+            config.min_offload_bytes)
 
 
 def register_graph(model: nn.Module, cache: TensorCache) -> int:
@@ -123,9 +124,10 @@ def _seam(graph_id: int, marker: torch.Tensor | None) -> CompiledForwards:
         )
     if fingerprint(cache) != info.fingerprint:
         raise TBAError(
-            "tba: the model was configured again with other offload_devices, skip_modules or "
-            "block_modules than the graph compiled with backend=\"tba\" was planned for; call "
-            "torch.compiler.reset() after configure_tensor_cache so the model compiles again"
+            "tba: the model was configured again with other offload_devices, skip_modules, "
+            "block_modules or min_offload_bytes than the graph compiled with backend=\"tba\" "
+            "was planned for; call torch.compiler.reset() after configure_tensor_cache so the "
+            "model compiles again"
         )
     return cache._compiled_forwards()
 

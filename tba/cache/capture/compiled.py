@@ -87,6 +87,7 @@ class CompiledForwards:
         self._units = {unit.name: unit for unit in units}
         self._longest_first = sorted(self._units, key=len, reverse=True)
         self._paths: dict[str, Unit | None] = {}
+        self._at: dict[tuple[int, str | None, str | None], Unit | None] = {}  # unit_at's answers
         self._names: dict[int, str] = {}  # parameter and buffer data pointers -> their names
         self._run = _ThreadRun()
 
@@ -110,13 +111,17 @@ class CompiledForwards:
         """The unit of a group saved in ``module``, a path relative to the module whose frame
         was compiled; ``marker``, a parameter of that frame at ``marker_path``, tells where
         the frame is in the model (Note [Units at run time] in tba/compile/plan.py)."""
+        key = (marker.data_ptr() if marker is not None else 0, module, marker_path)
+        if key in self._at:
+            return self._at[key]
         prefix = ""
         if marker is not None and marker_path:
             name = self._name_of(marker)
             if name is not None and (name == marker_path or name.endswith("." + marker_path)):
                 prefix = name[: len(name) - len(marker_path)]
         path = prefix + module if module else prefix[:-1]
-        return self.unit_of(path) if path else self.unit_of("") if "" in self._units else None
+        unit = self._at[key] = self.unit_of(path) if path or "" in self._units else None
+        return unit
 
     def _name_of(self, tensor: torch.Tensor) -> str | None:
         ptr = tensor.data_ptr()
