@@ -54,7 +54,6 @@ def _store(tensors: list[torch.Tensor], after: torch.Tensor | None, index: int, 
     return runtime.store(tensors, index, graph, module, marker, marker_path, last)
 
 
-@torch.library.register_fake("tba::store", lib=_LIBRARY)
 def _store_fake(tensors: list[torch.Tensor], after: torch.Tensor | None, index: int, graph: int,
                 module: str | None, marker: torch.Tensor | None, marker_path: str | None,
                 last: bool) -> list[torch.Tensor]:
@@ -68,7 +67,6 @@ def _prefetch(keys: list[torch.Tensor], anchor: torch.Tensor | None) -> torch.Te
     return runtime.prefetch(keys)
 
 
-@torch.library.register_fake("tba::prefetch", lib=_LIBRARY)
 def _prefetch_fake(keys: list[torch.Tensor], anchor: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(1, dtype=torch.uint8, device=keys[0].device)
 
@@ -80,12 +78,14 @@ def _reload(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
     return runtime.reload(key, shape, member, ndim)
 
 
-@torch.library.register_fake("tba::reload", lib=_LIBRARY)
 def _reload_fake(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
                  prefetched: torch.Tensor | None, anchor: torch.Tensor | None) -> torch.Tensor:
     size, stride, _ = runtime.geometry(shape, ndim)
     return torch.empty_strided(size, stride, dtype=shape.dtype, device=shape.device)
 
+
+for _name, _fake in (("store", _store_fake), ("prefetch", _prefetch_fake), ("reload", _reload_fake)):
+    torch.library.register_fake(f"tba::{_name}", _fake, lib=_LIBRARY)
 
 STORE = torch.ops.tba.store.default
 PREFETCH = torch.ops.tba.prefetch.default
