@@ -80,7 +80,7 @@ def _reload(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
 
 def _reload_fake(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
                  prefetched: torch.Tensor | None, anchor: torch.Tensor | None) -> torch.Tensor:
-    size, stride, _ = runtime.geometry(shape, ndim)
+    size, stride = runtime.geometry(shape, ndim)
     return torch.empty_strided(size, stride, dtype=shape.dtype, device=shape.device)
 
 

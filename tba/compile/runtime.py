@@ -3,7 +3,8 @@
 Note [Keys and shape carriers]: a store returns, per group, a *key* (a one-byte tensor whose
 storage carries, as a Python attribute, what ``SavedTensors.pack`` returned for each member:
 the handles autograd would have kept) and, per member, a *shape carrier*: a zero-element
-tensor of the member's dtype and device whose sizes are ``(0, *size, *stride, offset)``.
+tensor of the member's dtype and device whose sizes are ``(0, *size, *stride)`` (the
+offset is the storage's business: a compiled graph reads a tensor from its data pointer).
 Both are saved for backward instead of the member. The key's storage is its identity: the
 runtime wrappers may hand backward a view or a detached alias of it (AOTAutograd restrides
 outputs and detaches views before ``save_for_backward``), which all share the storage, and
@@ -146,16 +147,16 @@ _run = _Run()
 
 
 def carrier(tensor: torch.Tensor) -> torch.Tensor:
-    """A zero-element tensor whose shape is ``tensor``'s geometry (Note [Keys and shape
+    """A zero-element tensor whose shape is ``tensor``'s size and stride (Note [Keys and shape
     carriers])."""
-    return torch.empty((0, *tensor.shape, *tensor.stride(), tensor.storage_offset()),
-                       dtype=tensor.dtype, device=tensor.device)
+    return torch.empty((0, *tensor.shape, *tensor.stride()), dtype=tensor.dtype,
+                       device=tensor.device)
 
 
-def geometry(shape: torch.Tensor, ndim: int) -> tuple[list[Any], list[Any], Any]:
-    """The (size, stride, offset) a carrier describes."""
+def geometry(shape: torch.Tensor, ndim: int) -> tuple[list[Any], list[Any]]:
+    """The (size, stride) a carrier describes."""
     dims = list(shape.shape[1:])
-    return dims[:ndim], dims[ndim:2 * ndim], dims[2 * ndim]
+    return dims[:ndim], dims[ndim:2 * ndim]
 
 
 def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | None,
@@ -221,13 +222,11 @@ def reload(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int) -> to
     """``tba::reload``: the member back from the cache, as autograd's unpack hook would."""
     saved, values = _packed(key)
     tensor: torch.Tensor = saved.unpack(values[member])
-    size, stride, offset = geometry(shape, ndim)
-    if (list(tensor.shape) != size or list(tensor.stride()) != stride
-            or tensor.storage_offset() != offset):
+    size, stride = geometry(shape, ndim)
+    if list(tensor.shape) != size or list(tensor.stride()) != stride:
         raise AssertionError(
-            f"tba bug: reload of member {member} returned size {tuple(tensor.shape)}, stride "
-            f"{tensor.stride()}, offset {tensor.storage_offset()}; its store saw size "
-            f"{tuple(size)}, stride {tuple(stride)}, offset {offset}"
+            f"tba bug: reload of member {member} returned size {tuple(tensor.shape)} and stride "
+            f"{tensor.stride()}; its store saw size {tuple(size)} and stride {tuple(stride)}"
         )
     for observer in _observers:
         observer(tensor, "reloaded")
