@@ -89,7 +89,10 @@ class _Lone(torch.nn.Module):
         return torch.tanh(torch.relu(x @ self.weight) * 2).pow(2).mean()
 
 
-def test_a_model_without_cache_compiles_as_the_inner_compiler(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_model_without_cache_compiles_as_the_inner_compiler(caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Equal to the inner compiler alone, and the user is told (once) what tba needs."""
+    monkeypatch.setattr(tba.compile.compiler, "_warned_no_cache", False)
     torch.manual_seed(0)
     model = models.Stack(num_blocks=2)
     reference = models.Stack(num_blocks=2)
@@ -98,6 +101,9 @@ def test_a_model_without_cache_compiles_as_the_inner_compiler(caplog: pytest.Log
         loss = _step(_compiled(model))
     assert torch.equal(loss, _step(torch.compile(reference, backend="aot_eager")))
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    (record,) = [r for r in caplog.records if r.name == "tba.compile.compiler"]
+    assert "no model configured with tba.configure_tensor_cache" in record.getMessage()
+    assert "offloads nothing" in record.getMessage()
 
 
 def test_configuring_after_compiling_says_to_reset() -> None:
