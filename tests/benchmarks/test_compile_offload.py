@@ -15,6 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a subprocess that imports transformers and compiles two strategies
 def test_compile_offload_smoke(tmp_path: Path) -> None:
     out = tmp_path / "co.json"
     proc = subprocess.run(
