@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
@@ -216,9 +217,14 @@ class CacheHooks:
         if (state.ctx is None and not state.compiled) or compat.in_backward():
             return
         engine = self.engine
+        # Note [Interrupted forwards]: torch runs this always_call hook with no output while
+        # an exception leaves the forward.
+        raised = output is None and sys.exc_info()[1] is not None
         with engine.lock:
             state.depth -= 1
-            if state.depth <= 0:
+            if state.depth <= 0 and raised:
+                self.tracker.abandon_forward(state)
+            elif state.depth <= 0:
                 state.leave_hooks()
                 self.close_forward()
         engine.flush()
