@@ -25,7 +25,7 @@ from tba.compile.plan import normalize_path
 from tba.errors import TBAError
 from tba.integrations import registry
 
-__all__ = ["backend", "INNER_COMPILERS", "INDUCTOR_PATCHES"]
+__all__ = ["backend", "INNER_COMPILERS"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,7 @@ INNER_COMPILERS = ("inductor", "aot_eager")
 # and in-place buffers; the caching allocator still recycles the memory once it is freed.
 # Seen on torch 2.13 CPU: a GELU kernel wrote its output into the buffer of the linear output
 # stored just before. Tested by tests/compile/test_compile_offload.py (Inductor, bit-exact).
-# These two options can change Inductor's kernels, and with them the low-order bits of a
-# result: GPT-2's tied embedding gradient through HF Trainer (torch 2.13 CPU) equals
-# backend="inductor" with these options, not with Inductor's defaults
-# (tests/integrations/test_hf.py).
-INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "inplace_buffers": False}
+_INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "inplace_buffers": False}
 _CUDAGRAPH_OPTIONS = ("triton.cudagraphs", "triton_cudagraphs")
 
 
@@ -140,7 +136,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], inner: str, patches:
                 "graph would skip tba's stores and reloads; use mode "
                 "\"max-autotune-no-cudagraphs\" or the default mode"
             )
-        patches.update(INDUCTOR_PATCHES)
+        patches.update(_INDUCTOR_PATCHES)
         patches["custom_partitioner_fn"] = partitioner
     compiled_fx: Callable[..., Any] = compile_fx(  # type: ignore[assignment]  # a callable here
         gm, example_inputs, config_patches=patches)

@@ -48,6 +48,20 @@ class Run:
     decision: Any = None
 
 
+@contextlib.contextmanager
+def deterministic(on: bool = True) -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(on)`` for the block. Inductor's CPU kernel for an
+    embedding's gradient (GPT-2's ``wte``) adds rows with atomics from several threads, so two
+    runs of one compiled model differ in low-order bits; in deterministic mode Inductor calls
+    ATen's ``index_put_`` there instead (torch 2.13)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def loss_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
 
@@ -138,7 +152,7 @@ def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, st
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     run = Run([], [], {}, 0)
     try:
-        with reports() as found:
+        with reports() as found, deterministic(inner == "inductor"):
             for step in range(steps):
                 optimizer.zero_grad(set_to_none=True)
                 torch.manual_seed(step)

@@ -157,32 +157,30 @@ def test_trainer_with_a_model_compiled_with_backend_tba_is_bit_exact(tmp_path):
     with the callback (which configures the model inside the compiled wrapper): equal to the
     same Trainer run with the model compiled by ``backend="inductor"``, bytes offloaded.
     (``TrainingArguments(torch_compile_backend="tba")`` stops in accelerate 1.15, whose
-    ``DynamoBackend`` lists the backends it knows: docs/integrations.md.) The reference is
-    Inductor with the two buffer options tba's graphs compile with (Note [Stored buffers are
-    not reused] in tba/compile/compiler.py): with Inductor's defaults the tied embedding's
-    gradient of this Trainer step differs in its low-order bits (docs/integrations.md,
-    "Differences from eager mode")."""
+    ``DynamoBackend`` lists the backends it knows: docs/integrations.md.) Both run with
+    deterministic algorithms: Inductor's CPU embedding gradient adds with atomics otherwise
+    (``tests/compile/training.py``, ``deterministic``)."""
     import torch._dynamo
 
-    from tba.compile.compiler import INDUCTOR_PATCHES
     from tba.integrations.hf import TensorCacheCallback
+    from tests.compile.training import deterministic
 
-    def compiled(backend: str, **kwargs):
+    def compiled(backend: str):
         def make() -> torch.nn.Module:
             model = models.gpt2()
             model.loss_type = "ForCausalLM"  # transformers' warning would break the graph
-            return torch.compile(model, backend=backend, **kwargs)
+            return torch.compile(model, backend=backend)
         return make
 
     torch._dynamo.reset()
     # The compiled wrapper's forward takes (*args, **kwargs): keep the dataset's columns.
-    _, ref_grads, ref_logs = _train(tmp_path / "ref", [],
-                                    make_model=compiled("inductor", options=dict(INDUCTOR_PATCHES)),
-                                    remove_unused_columns=False)
-    torch._dynamo.reset()
-    callback = TensorCacheCallback(**OPTIONS)
-    _, grads, logs = _train(tmp_path / "tba", [callback, _settle_stores(callback)],
-                            make_model=compiled("tba"), remove_unused_columns=False)
+    with deterministic():
+        _, ref_grads, ref_logs = _train(tmp_path / "ref", [], make_model=compiled("inductor"),
+                                        remove_unused_columns=False)
+        torch._dynamo.reset()
+        callback = TensorCacheCallback(**OPTIONS)
+        _, grads, logs = _train(tmp_path / "tba", [callback, _settle_stores(callback)],
+                                make_model=compiled("tba"), remove_unused_columns=False)
     torch._dynamo.reset()
     assert len(grads) == len(ref_grads) == NUM_STEPS
     for step, (want, have) in enumerate(zip(ref_grads, grads)):
