@@ -56,6 +56,18 @@ def test_bit_exact_offloading_in_one_graph(inner: str, model: str, offloader: st
         assert all(t.stored_bytes > 0 for t in run.stats.tiers.values()), run.stats.tiers
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("offloader", ["host", "ssd"])
+def test_bit_exact_offloading_in_one_graph_on_cuda(inner: str, offloader: str, tmp_path: Path) -> None:
+    """The same on the GPU: tba's ops run on CUDA tensors (stores from the compiled graph's
+    stream, reloads before their first use), GPT-2 three Adam steps equal to ``backend=inner``."""
+    reference = train("gpt2", inner, None, device="cuda")
+    run = train("gpt2", inner, _offloader(offloader, tmp_path), device="cuda")
+    assert_same_training(reference, run)
+    assert_offloaded_in_one_graph(run)
+
+
 def test_aliases_are_stored_once() -> None:
     """q, k^T and v view one storage: one store op, one entry, the other members deduplicated
     against it (Note [What a compiled graph stores])."""

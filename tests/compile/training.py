@@ -130,20 +130,21 @@ def joint_of(model_name: str, **tba_options: Any) -> Joint:
 
 def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, steps: int = 3,
           settle: bool = True, measure: bool = False, dynamic: bool | None = None,
-          batches: Callable[[int], Any] | None = None) -> Run:
+          batches: Callable[[int], Any] | None = None, device: str = "cpu") -> Run:
     """``steps`` Adam steps of ``model_name`` compiled with ``fullgraph=True``: by ``inner``
     alone (``tba_options`` None) or by ``backend="tba"`` over ``inner`` with a cache made from
     ``tba_options``. With ``settle`` every store completes before backward (so backward reads
-    back); with ``measure`` the saved-activation meter of the ROK sweep counts the step."""
+    back); with ``measure`` the saved-activation meter of the ROK sweep counts the step. On
+    ``device`` (model, batches and ``offload_devices``)."""
     dynamo.reset()
     counters.clear()
     make_model, make_batch = MODELS[model_name]
     make_batch = batches or make_batch
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model().to(device)
     cache = None
     if tba_options is not None:
-        cache = tba.configure_tensor_cache(model, **{**BASE_OPTIONS, **tba_options})
+        cache = tba.configure_tensor_cache(model, **{**BASE_OPTIONS, "offload_devices": (device,), **tba_options})
         compiled = torch.compile(model, backend="tba", fullgraph=True, dynamic=dynamic,
                                  options={"inner": inner})
     else:
@@ -157,7 +158,7 @@ def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, st
                 optimizer.zero_grad(set_to_none=True)
                 torch.manual_seed(step)
                 with _measuring(meter, step == steps - 1):
-                    batch = make_batch(step)
+                    batch = _to(make_batch(step), device)
                     loss = loss_of(compiled(**batch) if isinstance(batch, dict) else compiled(batch))
                     if cache is not None and settle:
                         cache.wait_for_stores(60)
@@ -181,6 +182,12 @@ def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, st
     run.breaks = dict(counters["graph_break"])
     run.num_graphs = counters["stats"]["unique_graphs"]
     return run
+
+
+def _to(batch: Any, device: str) -> Any:
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch.to(device) if isinstance(batch, torch.Tensor) else batch
 
 
 @contextlib.contextmanager
