@@ -10,7 +10,6 @@ skip depth (``ThreadState``); records, entries and transfers are shared.
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
 from collections.abc import Callable
 from types import FrameType
@@ -22,6 +21,7 @@ from torch import nn
 from tba import _torch_compat as compat
 from tba.cache.capture.hook_stack import ChainedHooks, hooks_for_forward
 from tba.cache.capture.module_hook import ModuleHook
+from tba.cache.capture.parameters import ParameterStorages
 from tba.cache.capture.run_order import RunOrder
 from tba.cache.capture.saving import SavedTensors
 from tba.cache.engine import Engine, interrupts
@@ -67,6 +67,7 @@ class CacheHooks:
         self.steps = steps
         self.run_order = run_order
         self._handles: list[RemovableHandle] = []
+        self.parameter_storages = ParameterStorages()
         # While set, forwards enter this pack hook instead of ``saved.pack`` (a wrapper that
         # samples what is saved, Note [Loud when it does nothing]); told when a forward runs
         # without grad.
@@ -169,11 +170,8 @@ class CacheHooks:
         """This thread's outermost forward of the model begins (lock held); ``inputs`` are its
         positional and keyword arguments."""
         state, saved, steps = self.tracker.local, self.saved, self.steps
-        saved.param_ptrs = frozenset(
-            compat.local_tensor(t).untyped_storage().data_ptr()
-            for t in itertools.chain(model.parameters(), model.buffers())
-            if not compat.is_functorch_wrapped(t)  # torch.func.functional_call's stand-ins
-        )
+        # Note [Parameter storages, checked not rebuilt]
+        saved.param_ptrs = self.parameter_storages.current(model)
         record, opened = self.tracker.begin_forward()
         profile = steps.profile
         steps.begin_forward(inputs, opened)
