@@ -208,6 +208,34 @@ def test_kept_scopes_use_no_look_ahead() -> None:
     assert stats.num_sync_loads == 0, f"{stats.num_sync_loads} loads were not prefetched"
 
 
+@pytest.mark.parametrize("offloading", ["none", "too small to offload", "offloads"])
+def test_prefetch_hooks_only_where_something_is_offloaded(offloading: str) -> None:
+    """Note [Prefetch hooks]: a forward that marked nothing for offload registers no grad_fn
+    pre-hook, and its step still ends with its backward, with every entry dropped."""
+    model = models.Stack(num_blocks=3)
+    options = {"min_offload_bytes": 1 << 30} if offloading == "too small to offload" else {}
+    if offloading == "none":
+        cache = tba.configure_tensor_cache(model, offloader="none", offload_devices=("cpu",),
+                                           min_offload_bytes=0, adaptive=False)
+    else:
+        cache = make_cache(model, FakeOffloader(), **options)
+    view = probe(cache)
+    try:
+        for step in range(2):
+            loss = model(models.vector_batch(step))
+            hooks = view.num_grad_fn_hooks
+            loss.backward()
+            assert not view.step_open and view.num_entries == 0
+            assert cache.stats().num_packed > 0
+            if offloading == "offloads":
+                assert hooks > 0 and cache.stats().num_offloaded > 0
+            else:
+                assert hooks == 0 and cache.stats().num_offloaded == 0
+        assert cache.stats(cumulative=True).num_steps == 2
+    finally:
+        cache.close()
+
+
 def test_close_removes_the_hooks_of_live_graphs() -> None:
     """A graph built with the cache and still alive at close() must not keep the cache (its
     grad_fn pre-hooks are removed) and fails its backward with a TBAError that says why."""

@@ -231,7 +231,7 @@ class CacheHooks:
         if profile is not None and unit.block_index is not None:
             profile.end(unit.block_index)
         engine = self.engine
-        if scope is not None:
+        if scope is not None and scope.record.offloads:  # Note [Prefetch hooks]
             with engine.lock:
                 self.tracker.unit_exited(scope, output)
         engine.flush()

@@ -204,6 +204,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
                 if offload and self.offloader is not None and nbytes >= self.min_offload_bytes:
                     device = storage.device
                     xfer = entry.xfer = Transfer(device, None)
+                    record.offloads = True
                     # Note [Small transfers inline]
                     inline = self._store_now is not None and nbytes <= INLINE_MAX_BYTES and device.type == "cpu"
                     if not (inline and self._store_inline(entry, storage, xfer)):

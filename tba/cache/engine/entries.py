@@ -34,10 +34,12 @@ class SavedScope(UnitScope, Protocol):
 
 class SavedRecord(Protocol):
     """The forward pass a handle belongs to, as the engine sees it (``Record``): its live
-    handles (the engine counts them) and whether its forward ended (then no handle left means
-    its graph is gone)."""
+    handles (the engine counts them), whether it offloads anything (the engine says so when it
+    marks an entry for offload) and whether its forward ended (then no handle left means its
+    graph is gone)."""
 
     num_handles: int
+    offloads: bool
 
     @property
     def forward_done(self) -> bool: ...
