@@ -58,11 +58,16 @@ class ParameterStorages:
     def __init__(self) -> None:
         self.ptrs: frozenset[int] = frozenset()
         self.num_rebuilds = 0  # walks over the model (for tests)
-        self._modules: list[weakref.ref[nn.Module]] = []
-        # Every module's ``_parameters`` and ``_buffers`` (they hold tensors only: holding them
-        # keeps no module alive); ``_modules`` dicts are read through the weak references.
-        self._tensor_dicts: list[dict[str, Any]] = []
-        self._ids: list[int] = []
+        self._model: weakref.ref[nn.Module] | None = None
+        # Modules with submodules: their ``_modules`` are read through these weak references.
+        self._parents: list[weakref.ref[nn.Module]] = []
+        # Every other dict of the snapshot, held (no module is kept alive: parameter and buffer
+        # dicts hold tensors; the ``_modules`` of a module without submodules holds nothing):
+        # those that were empty (a value added to one shows as a length) ...
+        self._empty: list[dict[str, Any]] = []
+        # ... and the parameter and buffer dicts that were not.
+        self._full: list[dict[str, Any]] = []
+        self._ids: list[int] = []  # of the values of the parents' ``_modules``, then of ``_full``
         self._pick: Callable[[list[Any]], Any] | None = None  # the plain tensors among the values
         self._plain_ptrs: list[int] = []
         self._others: list[tuple[int, int]] = []  # (position, data address) of subclass tensors
@@ -74,11 +79,10 @@ class ParameterStorages:
         return self.ptrs
 
     def _unchanged(self, model: nn.Module) -> bool:
-        refs = self._modules
-        if not refs or refs[0]() is not model:
+        if self._model is None or self._model() is not model or any(map(len, self._empty)):
             return False
         try:
-            dicts = [*map(_children, map(_call, refs)), *self._tensor_dicts]
+            dicts = [*map(_children, map(_call, self._parents)), *self._full]
         except AttributeError:  # a module was collected (its reference gives None)
             return False
         values = list(itertools.chain.from_iterable(map(_values, dicts)))
@@ -92,9 +96,11 @@ class ParameterStorages:
     def _rebuild(self, model: nn.Module) -> None:
         self.num_rebuilds += 1
         modules = list(model.modules())
+        parents = [m for m in modules if m._modules]
         tensor_dicts = [*map(_parameters, modules), *map(_buffers, modules)]
-        dicts = [*map(_children, modules), *tensor_dicts]
-        values = list(itertools.chain.from_iterable(map(_values, dicts)))
+        full = [d for d in tensor_dicts if d]
+        empty = [d for d in tensor_dicts if not d] + [m._modules for m in modules if not m._modules]
+        values = list(itertools.chain.from_iterable(map(_values, [*map(_children, parents), *full])))
         plain: list[int] = []
         others: list[tuple[int, int]] = []
         ptrs: set[int] = set()
@@ -107,8 +113,9 @@ class ParameterStorages:
                 plain.append(position)
             else:
                 others.append((position, _address(value)))
-        self._modules = [weakref.ref(m) for m in modules]
-        self._tensor_dicts = tensor_dicts
+        self._model = weakref.ref(model)
+        self._parents = [weakref.ref(m) for m in parents]
+        self._empty, self._full = empty, full
         self._ids = list(map(id, values))
         self._pick = _picker(plain)
         self._plain_ptrs = [values[i].data_ptr() for i in plain]

@@ -50,12 +50,13 @@ class EngineWaits:
     _start_workers: Callable[[], None]
     _load_ready: threading.Condition
     _drain_locked: Callable[[], None]
+    store_batch: Callable[[], None]
     offloader: Offloader | None
     trace: TraceRecorder
     step: CacheStats
     table: EntryTable
     orphans: set[Entry]
-    released: collections.deque[HandleRef]
+    released: collections.deque[HandleRef | Entry]
     inflight_bytes: int
     closed: bool
     timeout_s: float
@@ -157,6 +158,7 @@ class EngineWaits:
         with self.lock:
             if self.released:
                 self._drain_locked()
+            self.store_batch()  # Note [Small transfers in batches]
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
             while (self.inflight_bytes > 0 or self._reserve_bytes is not None) and self.error is None:
@@ -186,6 +188,7 @@ class EngineWaits:
             )
 
         with self.lock:
+            self.store_batch()
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
             while busy() and self.dead is None:
