@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -224,6 +225,8 @@ def test_prefetch_hooks_only_where_something_is_offloaded(offloading: str) -> No
         for step in range(2):
             loss = model(models.vector_batch(step))
             hooks = view.num_grad_fn_hooks
+            if offloading == "offloads":
+                cache.wait_for_stores(JOIN_S)  # a busy machine must not cancel every store
             loss.backward()
             assert not view.step_open and view.num_entries == 0
             assert cache.stats().num_packed > 0
@@ -307,6 +310,58 @@ def test_fetch_of_a_running_store_keeps_the_bytes_without_prefetch() -> None:
         engine.drain()
         engine.close()
     assert engine.resident_bytes == 0 and not engine.check()
+
+
+class GatedLoads(FakeOffloader):
+    """Each load blocks until ``load_gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load_gate = threading.Event()
+
+    def load(self, token, dst):
+        assert self.load_gate.wait(JOIN_S), "test load gate never opened"
+        super().load(token, dst)
+
+
+def test_a_reserve_asked_while_loads_are_queued_runs_when_they_are_done() -> None:
+    """The store worker waits while loads are queued, a reserve included: when the load queue
+    empties it must wake for the reserve even with no store queued, or ``wait_for_stores``
+    waits for that reserve forever (seen as "0 bytes of stores still in flight")."""
+    offloader = GatedLoads()
+    first = torch.arange(1024, dtype=torch.float32)
+    second = torch.arange(1024, dtype=torch.float32) * 2
+    engine, handle = bare_engine(offloader, first)  # one load worker
+    scope = handle.scope
+    other = engine.save(second, second.untyped_storage(), second, scope, scope.record, True)
+    entries = [handle.entry, other.entry]
+    try:
+        engine.flush()
+        engine.wait_for_stores(JOIN_S)
+        engine.prefetch(entries)  # the first load blocks on the gate, the second stays queued
+        engine.reserve_later(4096)
+        # The store worker wakes for the reserve, finds a load queued and waits again.
+        # (CPython's Condition keeps its waiters in ``_waiters``: the only way to see that.)
+        waiters = engine._store_ready._waiters
+        assert wait_until(lambda: len(waiters) > 0), "the store worker never waited"
+        offloader.load_gate.set()
+        engine.wait_for_stores(5.0)
+        assert offloader.reserved == [4096] and offloader.num_loads == 2
+    finally:
+        offloader.load_gate.set()
+        del handle, other, entries
+        engine.drain()
+        engine.close()
+    assert not engine.check()
+
+
+def wait_until(condition, timeout_s: float = JOIN_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def test_a_dead_worker_surfaces_in_every_step(monkeypatch: pytest.MonkeyPatch) -> None:

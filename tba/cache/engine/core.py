@@ -175,10 +175,10 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers, InlineBatches):
         storage, family and version, or of a new one (then ``handle.entry() is handle``: an
         entry is the weak reference of its first handle), offloaded if ``offload`` and the
         storage is at least ``min_offload_bytes``."""
-        version = tensor._version
         # Note [Storage stamps]: the stamps are set outside the lock (a stamp is unique however
         # many threads draw one; setting the same object's twice would only waste one).
         stamp = getattr(storage, STAMP_ATTR, None)
+        seen = stamp is not None  # else no entry can be of this storage
         if stamp is None:
             stamp = next_stamp()
             setattr(storage, STAMP_ATTR, stamp)
@@ -196,10 +196,9 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers, InlineBatches):
             if self.closed:
                 raise TBAError("tba: a save reached a closed tensor cache")
             while True:
-                if stamp in table.by_stamp:
-                    entry, other_family = table.find(stamp, family, version)
-                else:
-                    entry, other_family = None, False
+                entry, other_family = None, False
+                if seen and stamp in table.by_stamp:
+                    entry, other_family = table.find(stamp, family, tensor._version)
                 if entry is not None:
                     self._saved_again(entry, handle, tensor, storage, scope, record)
                     entry = None

@@ -330,6 +330,8 @@ class TransferWorkers:
                 if self._stopping:
                     return
                 entry = self._load_q.popleft()
+                if not self._load_q:
+                    self._wake_stores()
                 if entry.state is S.ORPHAN_LOADING:  # died while its load was queued
                     self._abandon_load(entry)
                     continue
@@ -397,5 +399,10 @@ class TransferWorkers:
         self.step.read_s += elapsed
         self._apply(entry, E.LOAD_DONE)  # RELOADED: holds no offloader space
         self._release_token(xfer)  # Note [A reloaded entry holds no offloader space]
-        if self._store_q and not self._load_q:
-            self._store_ready.notify_all()  # stores wait while loads are queued
+
+    def _wake_stores(self) -> None:
+        """The load queue just emptied (lock held): wake the store worker if a store or a
+        reserve waits, as they do while loads are queued. A reserve counts too: a store worker
+        left asleep with a reserve pending would keep ``wait_for_stores`` waiting forever."""
+        if self._store_q or self._reserve_bytes is not None:
+            self._store_ready.notify_all()
