@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -172,24 +173,7 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
             model(x).backward()
 
         steps[f"tba {offloader}"] = with_tba
-    for _ in range(warmup):  # the tba caches' first steps: pools grown and sized
-        for step in steps.values():
-            step()
-    counts = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    walls: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            start, wall = time.process_time(), time.perf_counter()
-            steps[name]()
-            times[name].append(time.process_time() - start)
-            walls[name].append(time.perf_counter() - wall)
-    after = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
-    for cache in caches.values():
-        cache.close()
+    times, walls, counts, after = interleaved(steps, caches, rounds, warmup)
     timed = {name: after[name].num_steps - counts[name].num_steps for name in caches}
     packed = (after["tba none"].num_packed - counts["tba none"].num_packed) // max(timed["tba none"], 1)
     offloaded = {name: (after[name].num_offloaded - counts[name].num_offloaded) / max(timed[name], 1)
@@ -210,6 +194,34 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
         row["x_bare_hooks"] = row["per_tensor_us"] / bare if bare > 0 else float("nan")
     out["_counts"] = {"num_packed_per_step": packed, "rounds": rounds, "warmup_steps": warmup}
     return out
+
+
+def interleaved(
+    steps: dict[str, Callable[[], None]], caches: dict[str, tba.TensorCache], rounds: int, warmup: int,
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any], dict[str, Any]]:
+    """Run ``warmup`` untimed steps of every variant (the tba caches' first steps: pools grown
+    and sized), then ``rounds`` rounds of one timed step each, in a shuffled order per round;
+    close the caches. Returns the CPU and wall times per variant, in round order, and the caches'
+    cumulative stats before and after the timed rounds."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    counts = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    walls: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            start, wall = time.process_time(), time.perf_counter()
+            steps[name]()
+            times[name].append(time.process_time() - start)
+            walls[name].append(time.perf_counter() - wall)
+    after = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
+    for cache in caches.values():
+        cache.close()
+    return times, walls, counts, after
 
 
 def measure_real(batch: int, rounds: int, warmup: int) -> dict:
@@ -238,24 +250,7 @@ def measure_real(batch: int, rounds: int, warmup: int) -> dict:
             optimizer.zero_grad(set_to_none=False)
 
         steps[name] = step
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    counts = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    walls: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            start, wall = time.process_time(), time.perf_counter()
-            steps[name]()
-            times[name].append(time.process_time() - start)
-            walls[name].append(time.perf_counter() - wall)
-    after = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
-    for cache in caches.values():
-        cache.close()
+    times, walls, counts, after = interleaved(steps, caches, rounds, warmup)
 
     def paired(a: str, b: str, clock: dict[str, list[float]]) -> float:
         return statistics.median(x / y for x, y in zip(clock[a], clock[b]))
