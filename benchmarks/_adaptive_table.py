@@ -9,7 +9,8 @@ strategy: the median step time (forward, backward, optimizer) over the steady st
 last ``--steady`` steps, for adaptive those at its final boundary) and over every step after
 warm-up (with what adaptive's profile and keep steps cost), ratios to keep, bytes offloaded per
 steady step (and adaptive's share of what fixed host offloads, which is what the
-adaptive policy offloaded before the closed loop), the peak of saved activations held in
+adaptive policy offloaded before the closed loop) and stores cancelled because backward needed
+their tensors first, the peak of saved activations held in
 memory, tba's I/O thread CPU time when the cache reports it, and the load average around the
 run (the machine is shared).
 """
@@ -118,6 +119,9 @@ def _run_threads(args: argparse.Namespace, threads: int, modes: list[str]) -> di
             "mean_step_after_warmup_s": statistics.fmean(times[args.table_warmup:]),
             "step_times_s": times,
             "offloaded_bytes_per_step": _median([s.offloaded_bytes for s in steady_stats]),
+            # Stores backward cancelled (it needed the tensor before the store ran: on a busy
+            # machine, possibly every store of a step).
+            "num_cancelled_per_step": _median([s.num_cancelled for s in steady_stats]),
             "peak_resident_bytes": max(s.peak_resident_bytes for s in steady_stats),
             "stall_s": _median([s.stall_s for s in steady_stats]),
             "io_cpu_s_per_step": _median([getattr(s, "io_cpu_s", 0.0) for s in steady_stats])
@@ -146,7 +150,8 @@ def _print(result: dict) -> None:
               if row["io_cpu_s_per_step"] is not None else "")
         print(f"{mode:>12}: steady step ({row['num_steady_steps']}) {row['median_step_s'] * 1e3:7.0f} ms ({ratio}), all steps "
               f"after warm-up {row['median_step_after_warmup_s'] * 1e3:7.0f} ms ({ratio_all}); "
-              f"offloaded {row['offloaded_bytes_per_step'] / 2**20:6.0f} MiB/step{share}; peak "
+              f"offloaded {row['offloaded_bytes_per_step'] / 2**20:6.0f} MiB/step{share}, "
+              f"{row['num_cancelled_per_step']:.0f} stores cancelled/step; peak "
               f"resident {row['peak_resident_bytes'] / 2**20:6.0f} MiB; stall "
               f"{row['stall_s'] * 1e3:.0f} ms{io}")
     adaptive = rows.get("adaptive")

@@ -43,14 +43,19 @@ def run(args: argparse.Namespace, mode: str) -> dict:
     x = torch.randn(args.batch, args.width, device="cuda")
     offloader = PeakHost() if mode == "host" else "none"
     retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-    reserved, active, allocated = [], [], []
-    with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cuda",),
-                                    min_offload_bytes=0, max_inflight_bytes=4 << 30) as cache:
+    reserved, active, allocated, forward_allocated = [], [], [], []
+    with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cuda",), min_offload_bytes=0,
+                                    max_inflight_bytes=args.max_inflight_mib << 20) as cache:
         for _ in range(args.steps):
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            model(x).backward()
+            loss = model(x)
+            torch.cuda.synchronize()
+            # Where the step's peak lies: in forward (the activations piling up) or in backward.
+            forward_allocated.append(torch.cuda.max_memory_allocated())
+            loss.backward()
+            del loss
             torch.cuda.synchronize()
             stats = torch.cuda.memory_stats()
             reserved.append(stats["reserved_bytes.all.peak"])
@@ -65,6 +70,7 @@ def run(args: argparse.Namespace, mode: str) -> dict:
         "reserved_peak_bytes": max(reserved[warm]),
         "active_peak_bytes": max(active[warm]),
         "allocated_peak_bytes": max(allocated[warm]),
+        "forward_allocated_peak_bytes": max(forward_allocated[warm]),
         "num_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before,
         "pinned_bytes": pinned,
         "peak_held_bytes": held,
@@ -95,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--copy-mib", type=int, default=256)
+    p.add_argument("--max-inflight-mib", type=int, default=4096,
+                   help="the cache's max_inflight_bytes in MiB: bounds how far forward runs ahead of the stores")
     p.add_argument("--out", default="memory.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -137,6 +137,12 @@ def _engine_rows(results: Path, section: str) -> list[Row]:
     for engine, r in data["results"].items():
         if engine == "raw_odirect" or "write_vs_raw" not in r:
             continue
+        if engine == "checksum":
+            # The checksum alone, no I/O (io_bandwidth.py): a speed of its own, not an SSD engine.
+            rows.append(Row(section, "checksum alone GB/s", "PASS",
+                            round(r.get("verify_bytes_per_s", r["write_bytes_per_s"]) / 1e9, 3),
+                            "the verification checksum over the same bytes, no I/O; not judged against the drive"))
+            continue
         ratio = min(r["write_vs_raw"], r["read_vs_raw"])
         detail = (f"write {r['write_bytes_per_s'] / 1e9:.3f} GB/s ({r['write_vs_raw']:.2f}x raw), read "
                   f"{r['read_bytes_per_s'] / 1e9:.3f} GB/s ({r['read_vs_raw']:.2f}x raw)")

@@ -13,6 +13,13 @@ any saved-tensor hook pays). "python floor" is the least a Python entry table do
 tensor (``MinimalTable``: a stamp dict, a detached alias, a handle with ``__del__``, a lock per
 hook). A second model with 1 MiB tensors checks that large tensors do not get slower.
 
+The timed steps run as training does: a store races backward, and one that has not run when
+backward needs its tensor is cancelled (the tensor is read from memory). Each tba variant reports
+how many saved tensors per step were offloaded and how many stores were cancelled (on a busy
+machine, possibly all; a store still running when its step ends counts in the step in which it
+finishes), then runs untimed steps whose stores complete before backward and reports
+the bytes one of them wrote and read back (``settled_offloaded_bytes``, ``settled_reloaded_bytes``).
+
     python benchmarks/hook_overhead.py                      # defaults, prints, writes JSON + TXT
     python benchmarks/hook_overhead.py --rounds 30 --out benchmarks/results/cpu/hook_overhead.json
 """
@@ -147,6 +154,22 @@ def minimal_table() -> Iterator[None]:
         yield
 
 
+def settled_step(step: Callable[[], None], cache: tba.TensorCache) -> tba.CacheStats:
+    """Untimed steps of ``cache``'s model whose stores all complete before backward (a hook at
+    the end of forward waits for them): what a step moves when stores win every race with
+    backward. Returns the stats of the second: the first also counts the stores of the last
+    timed step that were still running when it ended; a settled step leaves none running."""
+    model = cache.model
+    assert model is not None
+    handle = model.register_forward_hook(lambda *_: cache.wait_for_stores(60))
+    try:
+        for _ in range(2):
+            step()
+    finally:
+        handle.remove()
+    return cache.stats()
+
+
 def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir: str) -> dict:
     """Median step time of each variant (steady state, interleaved) and what tba packed."""
     torch.manual_seed(0)
@@ -174,10 +197,14 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
 
         steps[f"tba {offloader}"] = with_tba
     times, walls, counts, after = interleaved(steps, caches, rounds, warmup)
+    settled = {name: settled_step(steps[name], caches[name]) for name in ("tba host", "tba ssd")}
+    for cache in caches.values():
+        cache.close()
     timed = {name: after[name].num_steps - counts[name].num_steps for name in caches}
     packed = (after["tba none"].num_packed - counts["tba none"].num_packed) // max(timed["tba none"], 1)
-    offloaded = {name: (after[name].num_offloaded - counts[name].num_offloaded) / max(timed[name], 1)
-                 for name in ("tba host", "tba ssd")}
+
+    def per_step(name: str, field: str) -> float:
+        return (getattr(after[name], field) - getattr(counts[name], field)) / max(timed[name], 1)
     median = {name: statistics.median(t) for name, t in times.items()}
     base_s = median["no hooks"]
     out: dict[str, dict[str, float]] = {}
@@ -187,7 +214,10 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
             "per_tensor_us": (median[name] - base_s) / max(packed, 1) * 1e6,
         }
     for name in ("tba host", "tba ssd"):
-        out[name]["offloaded_per_step"] = offloaded[name]
+        out[name]["offloaded_per_step"] = per_step(name, "num_offloaded")
+        out[name]["cancelled_per_step"] = per_step(name, "num_cancelled")
+        out[name]["settled_offloaded_bytes"] = settled[name].offloaded_bytes
+        out[name]["settled_reloaded_bytes"] = settled[name].reloaded_bytes
     soc, bare = out["save_on_cpu"]["per_tensor_us"], out["bare hooks"]["per_tensor_us"]
     for row in out.values():
         row["x_save_on_cpu"] = row["per_tensor_us"] / soc if soc > 0 else float("nan")
@@ -200,8 +230,8 @@ def interleaved(
     steps: dict[str, Callable[[], None]], caches: dict[str, tba.TensorCache], rounds: int, warmup: int,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any], dict[str, Any]]:
     """Run ``warmup`` untimed steps of every variant (the tba caches' first steps: pools grown
-    and sized), then ``rounds`` rounds of one timed step each, in a shuffled order per round;
-    close the caches. Returns the CPU and wall times per variant, in round order, and the caches'
+    and sized), then ``rounds`` rounds of one timed step each, in a shuffled order per round.
+    Returns the CPU and wall times per variant, in round order, and the caches'
     cumulative stats before and after the timed rounds."""
     for _ in range(warmup):
         for step in steps.values():
@@ -219,8 +249,6 @@ def interleaved(
             times[name].append(time.process_time() - start)
             walls[name].append(time.perf_counter() - wall)
     after = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
-    for cache in caches.values():
-        cache.close()
     return times, walls, counts, after
 
 
@@ -251,6 +279,8 @@ def measure_real(batch: int, rounds: int, warmup: int) -> dict:
 
         steps[name] = step
     times, walls, counts, after = interleaved(steps, caches, rounds, warmup)
+    for cache in caches.values():
+        cache.close()
 
     def paired(a: str, b: str, clock: dict[str, list[float]]) -> float:
         return statistics.median(x / y for x, y in zip(clock[a], clock[b]))
@@ -299,8 +329,8 @@ def report(label: str, rows: dict) -> list[str]:
              f"(median CPU time per step; cost per saved tensor over no hooks)"]
     for name in VARIANTS:
         row = rows[name]
-        extra = (f"  [{row['offloaded_per_step']:.0f} offloaded per step]"
-                 if "offloaded_per_step" in row else "")
+        extra = (f"  [{row['offloaded_per_step']:.0f} offloaded, {row['cancelled_per_step']:.0f} "
+                 f"cancelled per step]" if "offloaded_per_step" in row else "")
         ratios = "" if name == "no hooks" else (
             f"  {row['x_save_on_cpu']:5.2f}x save_on_cpu  {row['x_bare_hooks']:5.1f}x bare hooks")
         lines.append(f"  {name:<13} step {row['step_s'] * 1e3:8.2f} ms CPU "

@@ -15,10 +15,7 @@ is not, so a run is not repeatable. Attributes the wrapper does not have are rea
 wrapped offloader, so tests that inspect ``cache.offloader`` run unchanged. A test that fails
 under it either rests on timing (a bit-exact test that asserts bytes moved without
 ``settle=True``: backward cancels the stores that have not run), expects the offloader it passed
-to be the cache's own object, or found a real race. Known to rest on timing: ``tests/cache/test_adaptive.py::
-test_unthrottled_offloads_every_block_but_the_tail`` (the policy measures real stores) and
-``tests/cache/test_api.py::test_host_peak_is_at_most_60_percent_of_none`` (delayed stores hold
-their tensors in memory longer).
+to be the cache's own object, or found a real race (docs/testing.md, "Tests under load").
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ def test_a_bad_string_is_still_reported() -> None:
         tba.TensorCacheConfig(offload_devices="gpu")
 
 
+@pytest.mark.timing
 def test_string_options_take_effect_in_training() -> None:
     """``offload_devices="cpu"`` makes CPU training offload, and ``skip_modules="blocks.1"``
     skips exactly what the one-item tuple skips."""
@@ -53,6 +54,7 @@ def test_string_options_take_effect_in_training() -> None:
     assert 0 < offloaded["str"] == offloaded["tuple"] < offloaded["none"], offloaded
 
 
+@pytest.mark.timing
 def test_config_object_is_accepted() -> None:
     torch.manual_seed(0)
     model = models.Stack(num_blocks=3)

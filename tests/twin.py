@@ -37,9 +37,10 @@ def run_twins(
     at every step, and returns the (closed) cache for further checks.
 
     With ``settle``, every forward of the tba model is followed by
-    ``cache.wait_for_stores(settle_timeout_s)`` before its backward: every store has completed,
-    so backward reads offloaded tensors back instead of cancelling their stores (pair it with
-    :func:`assert_bytes_moved`). ``on_configure`` is called with the new cache before the first
+    ``wait_for_stores(settle_timeout_s)`` of every cache configured on it or on a module inside
+    it (``on_configure`` may configure an inner module instead) before its backward: every store
+    has completed, so backward reads offloaded tensors back instead of cancelling their stores
+    (pair it with :func:`assert_bytes_moved`). ``on_configure`` is called with the new cache before the first
     forward. ``around(model)``, if given, makes a context manager that each microbatch's forward
     and backward of ``model`` (either twin) run inside (the script's own saved-tensor hooks).
 
@@ -67,7 +68,7 @@ def run_twins(
                     with around(net) if around is not None else contextlib.nullcontext():
                         loss = forward(net, make_batch(1000 * step + micro))
                         if settle and label == "tba":
-                            cache.wait_for_stores(settle_timeout_s)
+                            settle_stores(net, settle_timeout_s)
                         loss.backward()
                     losses.append(loss.detach())
                 if label == "reference":
@@ -87,6 +88,17 @@ def run_twins(
     for a, b in zip(reference.parameters(), model.parameters()):
         assert torch.equal(a, b)
     return cache
+
+
+def settle_stores(model: nn.Module, timeout_s: float = 60.0) -> None:
+    """Complete the stores of every cache configured on ``model`` or on a module inside it
+    (``wait_for_stores``): a backward that follows reads every offloaded tensor back, whatever
+    the machine's load. Fails when no cache is configured there: a settle that waits on
+    nothing would leave the stores racing backward."""
+    caches = {id(c): c for c in map(tba.get_tensor_cache, model.modules()) if c is not None}
+    assert caches, "settle: no tba cache is configured on the model or inside it"
+    for cache in caches.values():
+        cache.wait_for_stores(timeout_s)
 
 
 def assert_bytes_moved(cache: tba.TensorCache) -> tba.CacheStats:

@@ -148,7 +148,7 @@ class TensorCache:
             engine.lock, engine._drain_locked, engine.raise_pending, self.boundary, config.prefetch_modules,
             engine.prefetch if offloader is not None else None, self._weak_finish_step(),
         )
-        tracker.on_forward_end = self._steps.end_forward
+        tracker.on_forward_abandoned = self._steps.forward_abandoned
         # The engine hands back the tracker's own records, typed as the ``SavedRecord`` it knows
         # (it does not import the capture side): this is where the two types meet.
         engine.on_records_dead = cast("Callable[[list[SavedRecord]], None]", tracker.records_dead)
@@ -312,23 +312,30 @@ class TensorCache:
         )
 
     # ------------------------------------------------------------------ steps
-    def _weak_finish_step(self) -> Callable[[], None]:
+    def _weak_finish_step(self) -> Callable[[bool], None]:
         ref = weakref.WeakMethod(self._finish_step)
 
-        def on_step_end() -> None:
+        def on_step_end(interrupted: bool) -> None:
             finish = ref()
             if finish is not None:
-                finish()
+                finish(interrupted)
 
         return on_step_end
 
-    def _finish_step(self) -> None:
-        """Close the running step (engine lock held: the tracker decided it ended)."""
+    def _finish_step(self, interrupted: bool) -> None:
+        """Close the running step (engine lock held: the tracker decided it ended), or drop it
+        when every forward of it was ``interrupted`` (Note [Step boundaries])."""
         engine, saved = self._engine, self._saved
         step = engine.take_step()
         step.num_captured, saved.num_captured = saved.num_captured, 0
         step.num_record_stream, saved.num_record_stream = saved.num_record_stream, 0
         step.tiers = take_tier_stats(self.offloader)
+        if interrupted:
+            self._steps.drop(step)
+            self._diagnosis.step_dropped()
+            if self._check:
+                self._check_invariants()
+            return
         self._steps.finish(step, engine.peak_held_bytes)
         saved.profile = self._steps.profile
         hooks = self._hooks()

@@ -9,11 +9,15 @@ from tba.offloaders.host import HostOffloader
 from tba.offloaders.throttled import Throttled
 from tba.offloaders.tier_stats import TierStats
 from tba.offloaders.tiered import TieredOffloader
+from tba.offloaders.wrapper import OffloaderWrapper
 
 if TYPE_CHECKING:
     from tba.config import TensorCacheConfig
 
-__all__ = ["Offloader", "HostOffloader", "Throttled", "TieredOffloader", "TierStats", "make_offloader"]
+__all__ = [
+    "Offloader", "HostOffloader", "OffloaderWrapper", "Throttled", "TieredOffloader", "TierStats",
+    "make_offloader",
+]
 
 
 def make_offloader(config: TensorCacheConfig, *, rank: int | None = None) -> Offloader | None:

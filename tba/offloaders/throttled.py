@@ -9,6 +9,7 @@ from typing import Any, cast
 import torch
 
 from tba.offloaders.base import Offloader
+from tba.offloaders.wrapper import OffloaderWrapper
 
 __all__ = ["Throttled"]
 
@@ -34,8 +35,12 @@ class _Pace:
             time.sleep(delay)
 
 
-class Throttled:
+class Throttled(OffloaderWrapper):
     """Wraps an offloader and caps its write and read bandwidth.
+
+    Its ``name`` is ``"throttled(inner's name)"``; ``used_bytes`` and ``take_tier_stats``
+    answer for the inner offloader. Stores always run on the cache's store worker (the inner
+    offloader's inline ``store_now`` is not passed through: it would not be paced).
 
     Args:
         offloader: an :class:`Offloader`, or ``"host"`` / ``"ssd"`` to build one.
@@ -44,8 +49,12 @@ class Throttled:
 
     Example:
         >>> slow = Throttled("host", write_bytes_per_s=2e9, read_bytes_per_s=2e9)
+        >>> slow.name
+        'throttled(host)'
         >>> cache = tba.configure_tensor_cache(model, offloader=slow)  # doctest: +SKIP
     """
+
+    passes_store_now = False  # stores are paced: on the store worker, never inline
 
     def __init__(
         self,
@@ -59,23 +68,21 @@ class Throttled:
             for name, value in (("write_bytes_per_s", write_bytes_per_s), ("read_bytes_per_s", read_bytes_per_s))
             if value is not None and not (isinstance(value, (int, float)) and value > 0)
         ]
-        if isinstance(offloader, str):
-            if offloader == "host":
-                from tba.offloaders.host import HostOffloader
-
-                offloader = HostOffloader()
-            elif offloader == "ssd":
-                from tba.offloaders.ssd import SSDOffloader
-
-                offloader = SSDOffloader()
-            else:
-                problems.append(f"offloader={offloader!r}: expected 'host', 'ssd' or an Offloader")
-        elif not isinstance(offloader, Offloader):
+        if offloader not in ("host", "ssd") if isinstance(offloader, str) else not isinstance(
+            offloader, Offloader
+        ):
             problems.append(f"offloader={offloader!r}: expected 'host', 'ssd' or an Offloader")
-        if problems:
+        if problems:  # before an offloader is built: a refused one leaves no directory behind
             raise ValueError("invalid tba.offloaders.Throttled:\n" + "\n".join(f"  - {p}" for p in problems))
-        self.inner = cast(Offloader, offloader)  # a name was replaced above, a wrong type raised
-        self.name = f"throttled-{self.inner.name}"
+        if offloader == "host":
+            from tba.offloaders.host import HostOffloader
+
+            offloader = HostOffloader()
+        elif offloader == "ssd":
+            from tba.offloaders.ssd import SSDOffloader
+
+            offloader = SSDOffloader()
+        super().__init__(cast(Offloader, offloader), "throttled")  # a name was replaced above
         self._write = _Pace(write_bytes_per_s)
         self._read = _Pace(read_bytes_per_s)
 
@@ -89,12 +96,3 @@ class Throttled:
         started = time.perf_counter()
         self.inner.load(token, dst)
         self._read.wait(dst.numel(), started)
-
-    def release(self, token: Any) -> None:
-        self.inner.release(token)
-
-    def reserve(self, num_bytes: int) -> None:
-        self.inner.reserve(num_bytes)
-
-    def close(self) -> None:
-        self.inner.close()

@@ -5,6 +5,10 @@ without reading pixels); ``plot`` draws them: the curve (activation peak on the 
 device against model throughput) with error bars on both axes, the overhead at equal batch
 with its per-pass range, and the secondary memory measure (process RSS on CPU, PyTorch's
 allocated-memory peak on CUDA) against batch size.
+
+Points that coincide (a policy that kept every block measures keep's activations, at about
+keep's throughput) are said so in the legend, and their batch labels go below the point, not
+on top of the other strategy's label. The main panel's title names the passes that ran.
 """
 
 from __future__ import annotations
@@ -24,16 +28,50 @@ def _err(median: list[float], lo: list[float], hi: list[float]) -> list[list[flo
     return [[m - a for m, a in zip(median, lo)], [b - m for m, b in zip(median, hi)]]
 
 
-def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: bool) -> dict[str, Any]:
-    """The plotted numbers: medians and (min, max) error bars per strategy, in MiB and FLOP/s units."""
+# A point within these of an earlier strategy's point at the same batch is drawn on it: its
+# label would cover the other's.
+_SAME_X, _SAME_Y = 0.01, 0.10
+
+
+def _on_points(curve: dict[str, dict[str, Any]]) -> None:
+    """Per point, the earlier strategy whose point at the same batch it lies on (or None), and
+    the legend entry saying so (with the batches where a policy kept every block)."""
+    drawn: dict[int, list[tuple[str, float, float]]] = {}  # batch -> points drawn before
+    for s, c in curve.items():
+        at = list(zip(c["batch_sizes"], c["x"], c["y"]))
+        c["on"] = [next((t for t, x0, y0 in drawn.get(b, []) if _near((x, y), (x0, y0))), None) for b, x, y in at]
+        for b, x, y in at:
+            drawn.setdefault(b, []).append((s, x, y))
+        notes = []
+        if c["kept_every_block"]:
+            notes.append("kept every block at b=" + ", ".join(map(str, c["kept_every_block"])))
+        for other in dict.fromkeys(t for t in c["on"] if t is not None):
+            batches = [b for b, t in zip(c["batch_sizes"], c["on"]) if t == other]
+            notes.append(f"on {other}'s points at b=" + ", ".join(map(str, batches)))
+        c["legend"] = f"{s} ({'; '.join(notes)})" if notes else s
+
+
+def _near(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return abs(a[0] - b[0]) <= _SAME_X * abs(b[0]) and abs(a[1] - b[1]) <= _SAME_Y * abs(b[1])
+
+
+def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: bool,
+                planned_passes: int | None = None) -> dict[str, Any]:
+    """The plotted numbers: medians and (min, max) error bars per strategy, in MiB and FLOP/s
+    units; per point the strategy it lies on (``on``), per strategy its legend entry, and the
+    main panel's title (the passes that ran, of ``planned_passes``)."""
+    from tba.rok._report import passes_text
+
     scale = 1e12 if cuda else 1e9
     curve: dict[str, dict[str, Any]] = {}
     secondary_key = "cuda_max_allocated_delta_bytes" if cuda else "process_rss_peak_bytes"
     secondary: dict[str, dict[str, Any]] = {}
     for p in sorted((p for p in points if p["status"] == "ok"), key=lambda p: p["batch_size"]):
         c = curve.setdefault(p["strategy"], {"batch_sizes": [], "n": [], "x": [], "x_min": [], "x_max": [], "y": [],
-                                             "y_min": [], "y_max": []})
+                                             "y_min": [], "y_max": [], "kept_every_block": []})
         c["batch_sizes"].append(p["batch_size"])
+        if p.get("decision_tail_start") == 0:  # a policy's decision: no block offloaded
+            c["kept_every_block"].append(p["batch_size"])
         c["n"].append(p["num_samples"])
         for axis, key, unit in (("x", "activation_peak_bytes", 2**20), ("y", "model_flops_per_s", scale)):
             for suffix in ("", "_min", "_max"):
@@ -44,6 +82,12 @@ def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: boo
             k["y"].append(p[secondary_key] / 2**20)
     for c in curve.values():
         c["xerr"], c["yerr"] = _err(c["x"], c["x_min"], c["x_max"]), _err(c["y"], c["y_min"], c["y_max"])
+    curve = {s: curve[s] for s in dict.fromkeys(p["strategy"] for p in points) if s in curve}  # drawing order
+    _on_points(curve)
+    run = summary["num_passes_run"]
+    title = "batch size grows along each line; " + (
+        f"median of {passes_text(run, planned_passes or run)}, bars = min..max" if run > 1
+        else f"{passes_text(run, planned_passes or run)}: no spread")
     overhead: dict[str, dict[str, Any]] = {}
     for s, by_b in summary["equal_batch"].items():
         o = overhead.setdefault(s, {"batch_sizes": [], "y": [], "y_min": [], "y_max": [], "meaningless": []})
@@ -58,7 +102,7 @@ def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: boo
             o["meaningless"].append(comp["step_time_vs_keep"]["warning"] is not None)
         o["yerr"] = _err(o["y"], o["y_min"], o["y_max"])
     return {"curve": curve, "overhead": overhead, "secondary": secondary, "secondary_key": secondary_key,
-            "throughput_unit": "TFLOP/s" if cuda else "GFLOP/s"}
+            "throughput_unit": "TFLOP/s" if cuda else "GFLOP/s", "title": title}
 
 
 def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env: dict[str, Any],
@@ -73,7 +117,7 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
     from tba.rok._report import device_caption
 
     cuda = env["device"] == "cuda"
-    series = plot_series(points, summary, cuda)
+    series = plot_series(points, summary, cuda, config["repeats"])
     fig, (ax, ax_o, ax_p) = plt.subplots(1, 3, figsize=(18, 7), gridspec_kw={"width_ratios": [5, 3, 3]})
     for s in dict.fromkeys(p["strategy"] for p in points):
         color = _COLORS.get(s)
@@ -82,10 +126,11 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
             why = summary["unavailable"].get(s, "no points")
             ax.plot([], [], "x", color=color, label=f"{s}: {why[:60]}")
             continue
-        ax.errorbar(c["x"], c["y"], xerr=c["xerr"], yerr=c["yerr"], fmt="o-", color=color, label=s, lw=2, ms=5,
-                    capsize=3, elinewidth=1)
-        for b, xi, yi in zip(c["batch_sizes"], c["x"], c["y"]):
-            ax.annotate(f"b={b}", (xi, yi), textcoords="offset points", xytext=(4, 5), fontsize=7, color=color)
+        ax.errorbar(c["x"], c["y"], xerr=c["xerr"], yerr=c["yerr"], fmt="o-", color=color, label=c["legend"], lw=2,
+                    ms=5, capsize=3, elinewidth=1)
+        for b, xi, yi, on in zip(c["batch_sizes"], c["x"], c["y"], c["on"]):
+            ax.annotate(f"b={b}", (xi, yi), textcoords="offset points", xytext=(4, -11 if on else 5), fontsize=7,
+                        color=color)
         o = series["overhead"].get(s)
         if o and o["y"]:
             ax_o.errorbar(o["batch_sizes"], o["y"], yerr=o["yerr"], fmt="-", color=color, capsize=3, lw=1.5, label=s)
@@ -103,8 +148,7 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("activation peak on the training device, MiB, log scale (left is better)")
     ax.set_ylabel(f"model throughput, {series['throughput_unit']} (recompute not counted; up is better)")
-    ax.set_title(f"batch size grows along each line; median of {config['repeats']} interleaved passes, "
-                 f"bars = min..max", fontsize=9)
+    ax.set_title(series["title"], fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     ax_o.axhline(1.0, color="tab:blue", lw=1)

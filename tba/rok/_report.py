@@ -9,12 +9,12 @@ from typing import Any
 from tba.rok._summary import SPREAD_METRICS
 
 __all__ = ["CSV_COLUMNS", "SAMPLE_COLUMNS", "device_caption", "environment_header", "format_summary",
-           "sample_line", "write_csv"]
+           "passes_text", "sample_line", "write_csv"]
 
 _SPREAD_COLUMNS = [f"{k}{x}" for k in SPREAD_METRICS for x in ("", "_mean", "_min", "_max", "_spread")]
 # docs/rok.md describes every column.
 CSV_COLUMNS = [
-    "strategy", "batch_size", "status", "num_samples", "num_failed", *_SPREAD_COLUMNS, "activation_peak_source",
+    "strategy", "batch_size", "status", "num_samples", "num_failed", "num_skipped", *_SPREAD_COLUMNS, "activation_peak_source",
     "meter_saved_bytes", "meter_recomputed_bytes", "meter_reloaded_bytes", "num_saved_storages",
     "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kept_bytes", "cache_reloaded_bytes",
     "cache_num_family_entries", "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s", "cache_io_cpu_s",
@@ -99,6 +99,30 @@ def sample_line(row: dict[str, Any], cuda: bool) -> str:
             + f"  step {row['step_time_s']:.3f} s  {_flops(row['model_flops_per_s'], cuda)}")
 
 
+def passes_text(num_run: int, num_planned: int) -> str:
+    """The passes the numbers come from: those that ran, not those planned (a time budget or
+    a signal stops a sweep between passes).
+
+    Example:
+        >>> passes_text(3, 3), passes_text(1, 3)
+        ('3 interleaved passes', '1 pass of 3 planned (the others not run)')
+    """
+    if num_run >= num_planned:
+        return f"{num_run} interleaved passes" if num_run > 1 else "1 pass"
+    return (f"{num_run} interleaved passes" if num_run > 1 else "1 pass") + (
+        f" of {num_planned} planned (the others not run)")
+
+
+def _not_run(p: dict[str, Any]) -> str:
+    """A point's samples that failed and that were not run, e.g. " (2 not run: time budget of
+    138 s spent)"."""
+    out = f" ({p['num_failed']} failed)" if p["num_failed"] else ""
+    if p.get("num_skipped"):
+        why = str(p.get("skipped_status", "")).removeprefix("skipped: ")
+        out += f" ({p['num_skipped']} not run: {why})"
+    return out
+
+
 def _ratio(c: dict[str, Any] | None, percent: bool = False) -> str:
     if not c or not c["ratio"]:
         return "-"
@@ -136,9 +160,9 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
                    cuda: bool) -> str:
     ok = [p for p in points if p["status"] == "ok"]
     batches = sorted({p["batch_size"] for p in ok})
-    passes = config["repeats"]
+    passes = passes_text(summary["num_passes_run"], config["repeats"])
     lines = ["", "== summary ==", device_caption(cuda),
-             f"{passes} interleaved passes; a ratio is per pass (strategy over keep, same pass), shown as median "
+             f"{passes}; a ratio is per pass (strategy over keep, same pass), shown as median "
              f"(min..max); '?' = the spread makes the comparison meaningless (warnings below)"]
     if summary.get("headline"):
         lines.append(f"headline, {summary['headline']}")
@@ -179,8 +203,7 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
     lines.append("points: median (min..max) over the samples that ran")
     for p in ok:
         rss = p.get("process_rss_peak_bytes")
-        lines.append(f"  {p['strategy']:<18} b={p['batch_size']:<4} n={p['num_samples']}"
-                     + (f" ({p['num_failed']} failed)" if p["num_failed"] else "")
+        lines.append(f"  {p['strategy']:<18} b={p['batch_size']:<4} n={p['num_samples']}" + _not_run(p)
                      + f"  activations {_mib(p['activation_peak_bytes'])} ({p['activation_peak_bytes_min'] / 2**20:.1f}.."
                        f"{p['activation_peak_bytes_max'] / 2**20:.1f})"
                      + (f"  RSS {_mib(rss)}" if rss is not None else "")

@@ -46,6 +46,11 @@ def _is_ok(sample: dict[str, Any]) -> bool:
     return sample.get("status") == "ok"
 
 
+def _is_skipped(sample: dict[str, Any]) -> bool:
+    """Not run (time budget, an earlier out-of-memory, a signal): no failure of its own."""
+    return str(sample.get("status", "")).startswith("skipped:")
+
+
 def aggregate(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point per (strategy, batch), in the order points first appear, from every sample of it."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -55,11 +60,16 @@ def aggregate(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for (strategy, b), group in groups.items():
         ok = [s for s in group if _is_ok(s)]
         bad = [s for s in group if not _is_ok(s)]
+        skipped = [s for s in bad if _is_skipped(s)]
+        failed = [s for s in bad if not _is_skipped(s)]
         point: dict[str, Any] = {"strategy": strategy, "batch_size": b,
                                  "status": "ok" if ok else bad[0].get("status", "failed: no status"),
-                                 "num_samples": len(ok), "num_failed": len(bad)}
-        if ok and bad:
-            point["failed_status"] = bad[0].get("status")
+                                 "num_samples": len(ok), "num_failed": len(failed),
+                                 "num_skipped": len(skipped)}
+        if ok and failed:
+            point["failed_status"] = failed[0].get("status")
+        if ok and skipped:
+            point["skipped_status"] = skipped[0]["status"]
         for key in SPREAD_METRICS:
             sp = spread([s[key] for s in ok if s.get(key) is not None])
             if sp is not None:
@@ -162,7 +172,8 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
             "above_keep": above_keep(ok, equal_batch), "equal_batch": equal_batch, "budget_bytes": budget_bytes,
             "budget_source": budget_source if budget_bytes is not None else None, "equal_budget": equal_budget,
             "keep_batch_within_budget": equal_budget.get("keep", {}).get("largest_batch"),
-            "unavailable": unavailable, "warnings": warnings}
+            "unavailable": unavailable, "warnings": warnings,
+            "num_passes_run": len({s.get("repeat") for s in samples if _is_ok(s)})}
 
 
 def _at_largest_batch(samples: Sequence[dict[str, Any]], ok: dict[str, dict[int, dict[str, Any]]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MAX_EXTRA_WARMUP", "Warmup", "settled_alike", "tail_start"]
+__all__ = ["MAX_EXTRA_WARMUP", "Warmup", "sent_to_offloader", "settled_alike", "tail_start"]
 
 # Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds:
 # a closed-loop check measures at most 48 steps after the profile
@@ -28,10 +28,12 @@ class Warmup:
     its boundary from a measured peak. Measuring those steps would time the policy's
     experiments, not its decision. So a deciding cache (the adaptive and budget strategies,
     and the fixed ones with ``--adaptive``) warms up until a decision exists and two
-    consecutive steps ran it alike: the same boundary, and both offloaded something or both
-    nothing (the bytes themselves vary from step to step, as stores still queued when
-    backward needs their tensor are cancelled), and the closed loop, whose runs of keep steps
-    look alike, reports no measurement under way (``settled_at_step``). Up to
+    consecutive steps ran it alike: the same boundary, and both sent tensors to the offloader or
+    both none (``sent_to_offloader``: a store that ran or one cancelled because backward needed
+    its tensor first; on a busy machine every store of an offloading step may be cancelled, so
+    the bytes offloaded, which vary from step to step, cannot tell such a step from a keep
+    step), and the closed loop, whose runs of keep steps look alike, reports no measurement
+    under way (``settled_at_step``). Up to
     ``MAX_EXTRA_WARMUP`` steps more; a point that did not settle says so
     (``decision_unsettled``). Tested in
     tests/benchmarks/test_rok_curve.py::test_warmup_waits_for_the_policy_to_settle.
@@ -57,7 +59,7 @@ class Warmup:
         """Called after each warm-up step: extends the warm-up while the policy moves."""
         if not self.policy:
             return
-        now = (tail_start(self.cache), self.cache.stats().offloaded_bytes > 0)
+        now = (tail_start(self.cache), sent_to_offloader(self.cache.stats()))
         decision = getattr(self.cache, "adaptive_decision", None)
         # The closed loop says when it measures (its runs of keep steps look alike).
         measuring = (getattr(decision, "max_probe_steps", None) is not None
@@ -72,8 +74,21 @@ class Warmup:
                                   f"{completed} warm-up steps")
 
 
+def sent_to_offloader(stats: Any) -> bool:
+    """Whether a step's ``stats`` (a ``CacheStats``) show tensors sent to the offloader: a
+    store that ran, or one cancelled because backward needed its tensor before the store ran
+    (Note [Warm up until the policy settles]). A step that keeps every block sends none.
+
+    Example:
+        >>> from tba import CacheStats
+        >>> sent_to_offloader(CacheStats(num_cancelled=3)), sent_to_offloader(CacheStats())
+        (True, False)
+    """
+    return stats.num_offloaded > 0 or stats.num_cancelled > 0
+
+
 def settled_alike(previous: tuple[int | None, bool] | None, now: tuple[int | None, bool]) -> bool:
-    """Two consecutive steps ran one decision alike: ``(tail_start, offloaded anything)`` of
+    """Two consecutive steps ran one decision alike: ``(tail_start, sent anything)`` of
     each, see Note [Warm up until the policy settles].
 
     Example:

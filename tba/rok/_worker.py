@@ -200,7 +200,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     memory = StepMemory(cuda)
     memory.take_baseline()
-    times, all_stats, tail_starts, offloaded = [], [], [], []
+    times, all_stats, tail_starts, offloaded, cancelled = [], [], [], [], []
     loss = float("nan")
     counted: dict[str, Any] = {}
     warmup = Warmup(spec["warmup_steps"], cache, deciding(options))
@@ -215,6 +215,11 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
                 step()
             i += 1
             warmup.after_step(i)
+        if cache is not None:
+            # The measured steps start from a quiet cache: no store of the warm-up still running
+            # (taking CPU from the first measured step) and the offloader sized (its reserve runs
+            # on the store worker, which a busy machine may not have run yet).
+            cache.wait_for_stores()
         if meter is not None and not count_in_warmup:
             with meter.measuring():
                 step()
@@ -234,6 +239,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
                 all_stats.append(cache.stats())
                 tail_starts.append(tail_start(cache))
                 offloaded.append(all_stats[-1].offloaded_bytes)
+                cancelled.append(all_stats[-1].num_cancelled)
         decision = _decision(cache)
     finally:
         if cache is not None:
@@ -270,6 +276,9 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         if "activation_budget_bytes" in options:
             row["activation_budget_bytes"] = options["activation_budget_bytes"]
         row["cache_offloaded_bytes_per_step"] = offloaded
+        # Stores backward cancelled because it needed the tensor first (on a busy machine,
+        # possibly every store of a step): with the bytes offloaded, what the step sent.
+        row["cache_num_cancelled_per_step"] = cancelled
         if any(t is not None for t in tail_starts):
             row["decision_tail_start_per_step"] = tail_starts
         if warmup.unsettled:

@@ -41,7 +41,7 @@ from tba.testing._determinism import initialise_vector_math
 from tba.testing._fakes import FakeOffloader, RecordingStreams
 from tba.testing._parity import check_parity
 from tba.testing._report import Mismatch, ParityReport
-from tba.testing._wrapping import OffloaderWrapper
+from tba.offloaders.wrapper import OffloaderWrapper
 from tba.testing._probe import CacheProbe, probe
 from tba.testing._step_timing import FakeStepClock, drive_closed_loop
 

@@ -29,7 +29,7 @@ import torch
 
 from tba.offloaders.base import Offloader, StoresNow
 from tba.settings import DIRECT_IO_ALIGNMENT
-from tba.testing._wrapping import OffloaderWrapper
+from tba.offloaders.wrapper import OffloaderWrapper
 
 __all__ = ["AuditedOffloader"]
 

@@ -11,7 +11,7 @@ import torch
 
 from tba.offloaders.base import Offloader
 from tba.testing._fakes import FakeOffloader
-from tba.testing._wrapping import OffloaderWrapper
+from tba.offloaders.wrapper import OffloaderWrapper
 
 __all__ = ["CorruptingOffloader", "ForgetfulOffloader"]
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 import torch
 
 from tba.offloaders.base import Offloader, StoresNow
-from tba.testing._wrapping import OffloaderWrapper
+from tba.offloaders.wrapper import OffloaderWrapper
 
 __all__ = ["ChaosOffloader"]
 

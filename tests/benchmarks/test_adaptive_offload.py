@@ -48,8 +48,13 @@ def test_adaptive_table_smoke(tmp_path: Path) -> None:
         rows = per_threads["rows"]
         assert list(rows) == ["keep", "adaptive", "fixed-host", "fixed-ssd"]
         assert rows["keep"]["offloaded_bytes_per_step"] == 0
-        assert rows["fixed-host"]["offloaded_bytes_per_step"] > 0
-        assert rows["fixed-ssd"]["offloaded_bytes_per_step"] > 0
+        # The fixed strategies send every managed tensor to the offloader; whether its store ran
+        # before backward needed the tensor, or was cancelled, is the machine's timing. With one
+        # store thread some store of every step ran or was cancelled within it, so one of the
+        # two medians is above 0.
+        for mode in ("fixed-host", "fixed-ssd"):
+            row = rows[mode]
+            assert row["offloaded_bytes_per_step"] > 0 or row["num_cancelled_per_step"] > 0, (mode, row)
         assert all(len(r["step_times_s"]) == 4 for r in rows.values())
     assert {"device", "torch", "tba", "command"} <= result["environment"].keys()
     assert "x keep" in proc.stdout and "1 torch thread(s)" in proc.stdout
@@ -75,9 +80,11 @@ def test_adaptive_long_smoke(tmp_path: Path) -> None:
         assert run["bit_identical"] is True and len(run["steps"]) == 6
         assert run["ratio"] > 0 and 0 <= run["offloaded_fraction"] <= 1
         assert all(s["managed_bytes"] > 0 for s in run["steps"])
-        # The default profile_step, or the step after it when the profiled step wrote nothing
-        # (its stores all cancelled: a step shorter than a store, as under a stall).
-        assert run["profiled_at"] in ([2], [3]), (run["noise"], run["profiled_at"])
+        # The default profile_step (2), or the first step after it that wrote something: a
+        # profiled step whose stores were all cancelled (a step shorter than a store, as under a
+        # stall or on a busy machine) measured no bandwidth, and the next step is profiled.
+        wrote = [n for n, s in enumerate(run["steps"], start=1) if n >= 2 and s["offloaded_bytes"] > 0]
+        assert run["profiled_at"] == wrote[:1], (run["noise"], run["profiled_at"], run["steps"])
     assert isinstance(result["results"][1]["noise_intervals"], list)  # the bursts, if any began
     assert result["environment"]["command"].startswith("python benchmarks/adaptive_offload.py")
     csv_lines = (tmp_path / "results" / "long.csv").read_text().splitlines()

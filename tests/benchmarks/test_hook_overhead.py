@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,13 +28,24 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
     # very first sin reads an input that needs no grad and saves nothing.
     assert result["tiny"]["_counts"]["num_packed_per_step"] == 2 * 20 * 2 - 1
     assert result["large_1MiB"]["_counts"]["num_packed_per_step"] == 2 * 1 * 2 - 1
-    for size in ("tiny", "large_1MiB"):
+    for size, tensor_bytes in (("tiny", 8 * 4), ("large_1MiB", 1 << 20)):
+        packed = result[size]["_counts"]["num_packed_per_step"]
         for name in ("no hooks", "bare hooks", "save_on_cpu", "python floor", "tba none",
                      "tba host", "tba ssd"):
             assert result[size][name]["step_s"] > 0
-        # keep_last_modules=0, steady state: host and ssd really offload
-        assert result[size]["tba host"]["offloaded_per_step"] > 0
-        assert result[size]["tba ssd"]["offloaded_per_step"] > 0
+        for name in ("tba host", "tba ssd"):
+            row = result[size][name]
+            # keep_last_modules=0, min_offload_bytes=0: every saved tensor goes to the offloader.
+            # In the timed steps its store either ran or was cancelled because backward needed
+            # the tensor first (all of them, on a busy machine): which one is the machine's
+            # timing. A store still running when its step ends counts in a later step, so the
+            # sum is not exactly the tensors packed; with one store thread and more than one
+            # saved tensor per step, some store of every step ran or was cancelled within it.
+            assert row["offloaded_per_step"] + row["cancelled_per_step"] > 0, (size, name, row)
+            # The settled step's stores all completed before backward: every tensor was written
+            # and read back.
+            assert row["settled_offloaded_bytes"] == row["settled_reloaded_bytes"] == packed * tensor_bytes, (
+                size, name, row)
     real = result["real"]["1"]
     for name in ("plain", "save_on_cpu", "tba none", "tba host"):
         assert real[name]["step_s"] > 0 and real[name]["x_plain"] > 0

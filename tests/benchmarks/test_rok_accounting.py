@@ -126,6 +126,7 @@ def test_recompute_counts_block_inputs_and_one_recomputed_block() -> None:
     assert row["meter_saved_bytes"] > 0 and peak < everything
 
 
+@pytest.mark.timing
 def test_meter_above_the_cache_changes_nothing_it_measures() -> None:
     # The meter pushes its hooks above tba's (as in recompute+offload): every tensor still
     # reaches tba and comes back bit-exact, and the meter counts each saved storage once.
@@ -139,8 +140,9 @@ def test_meter_above_the_cache_changes_nothing_it_measures() -> None:
                                         adaptive=False) as cache:
             for step in range(3):
                 with counter.measuring() if meter else contextlib.nullcontext():
-                    model(models.vector_batch(step)).backward()
-                    cache.wait_for_stores()
+                    loss = model(models.vector_batch(step))
+                    cache.wait_for_stores()  # backward then reads every offloaded tensor back
+                    loss.backward()
             return [p.grad.clone() for p in model.parameters()], cache.stats(), counter.num_storages
 
     with_meter, stats, counted = run(True)

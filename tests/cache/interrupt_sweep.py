@@ -1,10 +1,11 @@
-"""Ctrl-C at every line tba runs (Note [Interrupt-safe bookkeeping]): a helper that sends SIGINT
-to the process when the training thread reaches the k-th line event of tba's own code.
+"""A signal at every line tba runs (Note [Interrupt-safe bookkeeping]): a helper that sends
+SIGINT (or another signal) to the process when the training thread reaches the k-th line event
+of tba's own code.
 
-``signal.raise_signal`` is a real SIGINT: Python runs the process's handler (tba's, which holds
-the interrupt back inside a critical section) at its next check, exactly as for a Ctrl-C
-typed at that moment. ``sys.settrace`` sees the calling thread only, which is also the only
-thread a KeyboardInterrupt can reach.
+``signal.raise_signal`` is a real signal: Python runs the process's handler (wrapped by tba,
+which holds it back inside a critical section) at its next check, exactly as for a Ctrl-C
+typed, or a timer that expired, at that moment. ``sys.settrace`` sees the calling thread only,
+which is also the only thread a signal handler runs on.
 """
 
 from __future__ import annotations
@@ -21,12 +22,21 @@ import tba
 TBA_DIR = os.path.dirname(os.path.abspath(tba.__file__)) + os.sep
 
 
+class Timeout(Exception):
+    """What a script's SIGALRM handler raises (a timeout the training loop catches)."""
+
+
+def raise_timeout(signum: int, frame: Any) -> None:
+    raise Timeout(f"signal {signum}")
+
+
 class LineCounter:
     """A trace function counting line events in tba's code; at line ``fire_at`` (1-based) it
-    raises SIGINT once and records where."""
+    sends ``signum`` once and records where."""
 
-    def __init__(self, fire_at: int | None = None) -> None:
+    def __init__(self, fire_at: int | None = None, signum: int = signal.SIGINT) -> None:
         self.fire_at = fire_at
+        self.signum = signum
         self.count = 0
         self.fired_at: str | None = None
         self.functions: set[str] = set()  # "path:function" of tba's code that ran (relative)
@@ -42,7 +52,7 @@ class LineCounter:
                 code = frame.f_code
                 self.fired_at = f"{code.co_filename[len(TBA_DIR):]}:{frame.f_lineno} ({code.co_name})"
                 sys.settrace(None)
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(self.signum)
                 return None
         return self._local
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tba.cache.engine.streams import host_buffer
+from tba.offloaders import OffloaderWrapper
 
 JOIN_S = 30.0
 
@@ -159,15 +160,18 @@ class StrictStreams:
             stream.close()
 
 
-class StrictOffloader:
+class StrictOffloader(OffloaderWrapper):
     """Wraps an offloader: checks that no transfer (store, load, reserve: a worker's) runs with
     the cache's lock held by the calling thread, and that the current transfer waited on a
     fired event; counts calls. ``release`` runs inside the cache's critical section by design
-    (Note [Interrupt-safe bookkeeping]): it only gives space back."""
+    (Note [Interrupt-safe bookkeeping]): it only gives space back. Inline stores (``store_now``,
+    under the lock by design: Note [Small transfers inline]) are not passed through: every
+    store runs on a worker, where the checks apply."""
+
+    passes_store_now = False
 
     def __init__(self, inner: Any, streams: StrictStreams, violations: list[str]) -> None:
-        self.inner = inner
-        self.name = f"strict({inner.name})"
+        super().__init__(inner, "strict")
         self.streams = streams
         self.violations = violations
         self.locks: list[Any] = []  # the cache's lock (an RLock: it knows its owner)
@@ -196,13 +200,6 @@ class StrictOffloader:
     def reserve(self, num_bytes: int) -> None:
         self._check("reserve")
         self.inner.reserve(num_bytes)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def used_bytes(self) -> int | None:
-        return getattr(self.inner, "used_bytes", None)
 
 
 @contextlib.contextmanager

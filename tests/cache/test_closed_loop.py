@@ -143,15 +143,25 @@ def test_contention_reported_in_decision(recwarn: pytest.WarningsRecorder) -> No
                      r"steps\)\)$", str(decision)), str(decision)
 
 
+@pytest.mark.timing
 def test_max_step_overhead_none_is_the_rule_alone() -> None:
+    # Every store completes before backward and each block computes 1 s of the fake clock: the
+    # rule offloads blocks [0, 5) whatever the machine's load, and no keep step follows.
     model = models.Stack(num_blocks=_BLOCKS)
+    clock = FakeStepClock()
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                     min_offload_bytes=0, max_step_overhead=None) as cache:
         assert not probe(cache).has_closed_loop
         with pytest.raises(ValueError, match="no closed loop"):
             drive_closed_loop(cache, keep_every=2)
+        drive_closed_loop(cache, clock=clock)  # the clock alone needs no loop
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda *_: clock.advance(1.0))
         for step in range(5):
-            model(models.vector_batch(step)).backward()
+            loss = model(models.vector_batch(step))
+            cache.wait_for_stores(60)
+            loss.backward()
+        assert cache.adaptive_decision is not None
         assert all(t == 5 for _, _, t in probe(cache).history)
 
 

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import tba
 import tba.cache.observe.stats as stats_module
 from tba.cache.observe.stats import format_bytes
-from tba.testing import probe
+from tba.testing import FakeStepClock, drive_closed_loop, probe
 from tests import models
 from tests.cache.fakes import FakeOffloader
 from tests.twin import assert_bytes_moved, run_twins
@@ -255,6 +255,11 @@ def test_keep_everything_decision_gives_offloader_memory_back(monkeypatch: pytes
                 with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cpu",),
                                                 min_offload_bytes=0, skip_modules="embed", adaptive=True,
                                                 profile_step=2) as cache:
+                    if not slow:  # each block computes 1 s: any working copy keeps up, however busy
+                        clock = FakeStepClock()
+                        drive_closed_loop(cache, clock=clock)
+                        for block in model.blocks:
+                            block.register_forward_pre_hook(lambda *_: clock.advance(1.0))
                     train(model, 6, cache)
                     cache.wait_for_stores(60)  # the reserve(0) is made by the store worker
                     return cache, offloader

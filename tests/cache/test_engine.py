@@ -81,6 +81,7 @@ class SavedTwice(nn.Module):
         return (a * b).sum()
 
 
+@pytest.mark.timing
 def test_backward_wanting_a_running_store_reads_nothing() -> None:
     """Forwarding (Note [Transfer ordering]): a tensor whose store is running when backward
     wants it stays in memory once the store finishes: no read, residency counted."""
@@ -105,6 +106,7 @@ def test_backward_wanting_a_running_store_reads_nothing() -> None:
     assert stats.peak_resident_bytes >= 8 * 64 * 4
 
 
+@pytest.mark.timing
 def test_graphs_dying_with_queued_stores_leak_no_budget() -> None:
     """Stores still queued when their graph dies are cancelled and give their bytes back to
     the in-flight budget: many such steps neither leak nor hang."""
@@ -281,6 +283,7 @@ def test_invariant_check_names_the_broken_invariant(monkeypatch: pytest.MonkeyPa
         cache.close()
 
 
+@pytest.mark.timing
 def test_fetch_of_a_running_store_keeps_the_bytes_without_prefetch() -> None:
     """The engine alone: unpack (fetch) of an entry whose store is running, with no prefetch
     before it, keeps the bytes in memory once the store finishes: a second fetch reads
@@ -396,6 +399,7 @@ def test_a_dead_worker_surfaces_in_every_step(monkeypatch: pytest.MonkeyPatch) -
         cache.close()  # does not raise the dead worker again
 
 
+@pytest.mark.timing
 def test_a_failed_step_raises_one_store_error_not_stale_ones() -> None:
     """Note [One store error per step]: once a store error was raised in a step, the other
     stores of that step failing later are counted, not raised again in the next step or by
@@ -446,6 +450,7 @@ class _LoadOrder(FakeOffloader):
         super().load(token, dst)
 
 
+@pytest.mark.timing
 def test_reloaded_entries_give_their_offloader_space_back_at_once() -> None:
     """Note [A reloaded entry holds no offloader space] (tba/cache/engine/workers.py): a load's
     token is released as soon as the bytes are back, while backward still holds the entry, so

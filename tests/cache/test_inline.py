@@ -83,6 +83,7 @@ def test_small_cpu_transfers_run_on_the_training_thread_and_large_ones_on_worker
     assert sorted(n for *_, n in main_loads) == sorted(n for *_, n in inline_stores)
 
 
+@pytest.mark.timing
 def test_an_offloader_without_room_now_gets_the_store_on_a_worker() -> None:
     """``store_now`` returning None (no room without growing) sends the store to a worker;
     nothing is lost and the result is bit-exact."""
@@ -144,6 +145,7 @@ def test_an_inline_load_failure_is_raised_in_backward_then_a_retry_reads_it() ->
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.timing
 def test_a_second_thread_waits_for_an_inline_load_and_gets_the_same_bytes() -> None:
     """The engine alone: thread A reads an inline entry back (held inside ``load``, inside the
     engine's critical section); thread B wants the same entry meanwhile. B waits for A's load
@@ -197,6 +199,7 @@ def test_a_second_thread_waits_for_an_inline_load_and_gets_the_same_bytes() -> N
         offloader.close()
 
 
+@pytest.mark.timing
 def test_stores_sent_back_to_the_workers_keep_the_in_flight_bound() -> None:
     """When ``store_now`` has no room, the store goes to the workers under the same
     backpressure as any other: with ``max_inflight_bytes=1`` each store starts with nothing

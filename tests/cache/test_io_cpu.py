@@ -23,6 +23,7 @@ def _batch(seed: int) -> torch.Tensor:
     return torch.cat([models.vector_batch(seed * 8 + i) for i in range(8)])
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("offloader", ["host", "ssd"])
 def test_io_cpu_is_counted_when_bytes_move(tmp_path: Path, offloader: str) -> None:
     options = {"ssd_engine": "posix", "ssd_dirs": (str(tmp_path),)} if offloader == "ssd" else {}
@@ -133,6 +134,7 @@ class _BurningOffloader:
         pass
 
 
+@pytest.mark.timing
 def test_both_stores_and_loads_are_counted() -> None:
     offloader = _BurningOffloader(burn_s=0.005)
     cache = run_twins(

@@ -47,15 +47,21 @@ def test_keyword_input_shapes_reprofile(change: str, caplog: pytest.LogCaptureFi
     model = KeywordOnly()
     changed = _batch(models.SEQ // 2) if change == "sequence-length" else _batch(models.SEQ, 3)
     batches = [_batch(models.SEQ)] * 3 + [changed]
+    shape_changes = []
     with tba.configure_tensor_cache(model, **_ADAPTIVE) as cache:
         for step, batch in enumerate(batches):
             with caplog.at_level(logging.INFO, logger="tba.cache.steps.steps"):
                 caplog.clear()
-                model(**batch).backward()
+                loss = model(**batch)
+                cache.wait_for_stores(60)  # the profiled step (2) measures completed stores
+                loss.backward()
+            # Only the shape change counts here: on a busy machine the measured bandwidth may
+            # also move enough for a re-profile of its own.
+            shape_changes += [(step, r.getMessage()) for r in caplog.records
+                              if "re-profiling" in r.getMessage() and "input shapes changed" in r.getMessage()]
             if step == 2:
                 assert cache.adaptive_decision is not None, cache.summary()
-    reasons = [r.getMessage() for r in caplog.records if "re-profiling" in r.getMessage()]
-    assert len(reasons) == 1 and "input shapes changed" in reasons[0], reasons
+    assert [step for step, _ in shape_changes] == [3], shape_changes
 
 
 def test_hugging_face_model_called_with_keywords(caplog: pytest.LogCaptureFixture) -> None:
@@ -67,7 +73,9 @@ def test_hugging_face_model_called_with_keywords(caplog: pytest.LogCaptureFixtur
             batch = {name: value[:, :seq] for name, value in batch.items()}
             with caplog.at_level(logging.INFO, logger="tba.cache.steps.steps"):
                 caplog.clear()
-                model(**batch).loss.backward()
+                loss = model(**batch).loss
+                cache.wait_for_stores(60)  # the profiled step (2) measures completed stores
+                loss.backward()
             if step == 2:
                 assert cache.adaptive_decision is not None, cache.summary()
     assert any("input shapes changed" in r.getMessage() for r in caplog.records)

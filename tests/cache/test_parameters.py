@@ -109,6 +109,7 @@ def test_frozen_base_weights_with_trainable_adapters() -> None:
     _check_no_parameter_offloaded(saves, storages)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("outer_hooks", [False, True], ids=["plain", "with-outer-hooks"])
 def test_outer_modules_frozen_parameter_passed_in(outer_hooks: bool) -> None:
     """``F.linear(x, outer.shared)`` saves ``shared.t()``: a view of a frozen parameter of the

@@ -48,6 +48,7 @@ class StallingOffloader(FakeOffloader):
         super().load(token, dst)
 
 
+@pytest.mark.timing
 def test_stores_loads_and_stalls_are_profiler_ranges_with_unit_names() -> None:
     model = models.Stack(num_blocks=4)
     offloader = StallingOffloader(threading.get_ident())

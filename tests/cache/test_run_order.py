@@ -201,7 +201,9 @@ def test_run_order_observed_again_with_each_profile() -> None:
                                     min_offload_bytes=0, adaptive=True, max_step_overhead=None,
                                     profile_step=2) as cache:
         for step, rows in enumerate((8, 8, 8, 4, 4)):
-            model(models.vector_batch(step)[:rows]).backward()
+            loss = model(models.vector_batch(step)[:rows])
+            cache.wait_for_stores(60)  # the profiled step (2) measures completed stores
+            loss.backward()
             orders.append(_block_order(cache))
             if step == 2:
                 assert cache.adaptive_decision is not None, cache.summary()

@@ -13,6 +13,7 @@ import copy
 import threading
 import traceback
 
+import pytest
 import torch
 from torch import nn
 
@@ -56,6 +57,7 @@ def loss_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tup
     return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
 
 
+@pytest.mark.timing
 def test_eight_threads_share_one_configured_model_bit_exact() -> None:
     reference = make_model()
     model = copy.deepcopy(reference)

@@ -28,6 +28,7 @@ class Harness:
         monkeypatch.setattr(compat, "queue_end_of_backward",
                             lambda fn: self.callbacks.setdefault(self.task, []).append(fn))
         self.steps_ended = 0
+        self.steps_interrupted = 0  # of them, with every forward interrupted
         self.prefetched: list[list[Any]] = []
         self.boundary = Boundary(num_blocks, keep)
         self.tracker = StepTracker(
@@ -37,8 +38,9 @@ class Harness:
         self.modules = [nn.Linear(1, 1) for _ in range(num_blocks)]
         self.units = [Unit(m, f"blocks.{i}", i) for i, m in enumerate(self.modules)]
 
-    def _ended(self) -> None:
+    def _ended(self, interrupted: bool) -> None:
         self.steps_ended += 1
+        self.steps_interrupted += interrupted
 
     def forward(self, num_handles: int = 1, entries_per_block: int = 1) -> Any:
         """One forward through every block, each saving ``entries_per_block`` (fake) entries."""
@@ -159,6 +161,51 @@ def test_an_interrupted_backward_ends_its_step_at_the_next_forward(monkeypatch: 
     assert h.steps_ended == 0
     h.forward()
     assert h.steps_ended == 1 and h.tracker.open
+
+
+def _interrupted_forward(h: Harness, num_handles: int) -> Any:
+    """A forward that an interrupt ends in its first block, closed as the next forward or save
+    closes it (Note [Interrupted forwards]); ``num_handles`` of its saves are still alive."""
+    tracker = h.tracker
+    record, _ = tracker.begin_forward()
+    tracker.local.forward.enter(h.units[0], h.boundary.tail_start)
+    tracker.local.forward.scope().entries.append("blocks.0/0")
+    record.num_handles = num_handles
+    tracker.abandon_forward(tracker.local)
+    return record
+
+
+def test_a_step_of_interrupted_forwards_only_is_no_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: what an interrupted forward left was a step of its own (counted, judged by
+    the offloaded-nothing warning). The tracker says it was interrupted; the steps drop it."""
+    h = Harness(monkeypatch)
+    abandoned: list[bool] = []
+    h.tracker.on_forward_abandoned = lambda: abandoned.append(True)
+    record = h.forward()
+    h.backward(record, task=1)
+    h.end(1)
+    assert (h.steps_ended, h.steps_interrupted) == (1, 0)
+    _interrupted_forward(h, num_handles=0)  # its saves died with the interrupt
+    assert (h.steps_ended, h.steps_interrupted) == (2, 1) and abandoned == [True]
+    record = h.forward()
+    h.backward(record, task=2)
+    h.end(2)
+    assert (h.steps_ended, h.steps_interrupted) == (3, 1)
+
+
+def test_an_interrupted_forward_kept_alive_joins_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traceback keeps the interrupted forward's saves alive: the forward after it runs in
+    the same step, which is a step (of one forward: the tracker counts the interrupted one
+    apart)."""
+    h = Harness(monkeypatch)
+    interrupted = _interrupted_forward(h, num_handles=1)
+    assert h.steps_ended == 0 and h.tracker.open
+    record = h.forward()
+    assert h.tracker.num_forwards - h.tracker.num_abandoned == 1
+    h.backward(record, task=1)
+    h.end(1)  # rule (c): the interrupted forward was never backwarded, a later one was
+    assert (h.steps_ended, h.steps_interrupted) == (1, 0) and interrupted.detached
+    assert h.tracker.num_abandoned == 0
 
 
 def test_prefetch_walks_past_kept_scopes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,7 @@ def make_cache(model, offloader, streams=None, **options) -> TensorCache:
     return TensorCache(model, config, offloader, streams=streams)
 
 
+@pytest.mark.timing
 def test_stream_ordering_of_stores_and_loads() -> None:
     streams = RecordingStreams()
     offloader = FakeOffloader()
@@ -57,6 +58,7 @@ def test_stream_ordering_of_stores_and_loads() -> None:
     assert {e[1] for _, e in consumed} == set(loaded)
 
 
+@pytest.mark.timing
 def test_forwarding_serves_in_flight_store_without_read() -> None:
     offloader = FakeOffloader()
     offloader.gate = threading.Event()
@@ -79,6 +81,7 @@ def test_forwarding_serves_in_flight_store_without_read() -> None:
     assert not offloader.blobs  # the one finished store was released
 
 
+@pytest.mark.timing
 def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
     offloader = FakeOffloader()
     model = models.Stack(num_blocks=6)
@@ -93,6 +96,7 @@ def test_prefetch_serves_every_reload_with_unthrottled_offloader() -> None:
     assert offloader.reserved, "the pool was never sized from the first step"
 
 
+@pytest.mark.timing
 def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
     from tba.cache.engine import State
 
@@ -116,6 +120,7 @@ def test_unpack_of_stored_entry_loads_synchronously_and_counts_it() -> None:
     engine.close()
 
 
+@pytest.mark.timing
 def test_inflight_bytes_bound_applies_backpressure() -> None:
     offloader = FakeOffloader()
     offloader.gate = threading.Event()

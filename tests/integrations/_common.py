@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,19 +12,22 @@ import torch
 
 OFFLOADERS = ("host", "ssd")
 
-#: Seconds each stage sleeps at the end of its forward while a real cache is attached. Tiny
-#: test models finish forward before the store threads write anything, and the cache then
-#: rightly forwards every tensor from memory: the pause lets stores land, so backward really
-#: reloads (and prefetch is tested). Set by ``pausing()``; numerics are unaffected.
-pause_s = 0.0
+#: The real caches of the running case whose stores each ``SettleStores`` completes (a list
+#: while ``settling()`` is on, else None). Tiny test models finish forward before the store
+#: threads write anything, and the cache then rightly forwards every tensor from memory, more so
+#: on a busy machine: completing the stores at the end of each stage's forward makes backward
+#: really reload (and prefetch is tested) whatever the load. Numerics are unaffected.
+settled: list[Any] | None = None
 
 
-class Pause(torch.nn.Module):
-    """Last module of a test stage: sleeps ``pause_s`` (no parameters, saves nothing)."""
+class SettleStores(torch.nn.Module):
+    """Last module of a test stage: completes the stores of the caches ``settling()``
+    collected (no parameters, saves nothing)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if pause_s and torch.is_grad_enabled():
-            time.sleep(pause_s)
+        if settled is not None and torch.is_grad_enabled():
+            for cache in settled:
+                cache.wait_for_stores(60)
         return x
 
 
@@ -41,13 +43,15 @@ def offloader_skip_reason(name: str) -> str | None:
 
 
 @contextlib.contextmanager
-def pausing(seconds: float = 0.02) -> Iterator[None]:
-    global pause_s
-    pause_s = seconds
+def settling() -> Iterator[None]:
+    """Within the block, ``real_cache`` collects the caches it makes and each
+    ``SettleStores`` completes their stores."""
+    global settled
+    settled = []
     try:
         yield
     finally:
-        pause_s = 0.0
+        settled = None
 
 
 def recording_cache(module: torch.nn.Module) -> Any:
@@ -94,7 +98,10 @@ def real_cache(module: torch.nn.Module, offloader: str, tmp_dir: str) -> Any:
     )
     if offloader == "ssd":
         options["ssd_dirs"] = (tmp_dir,)
-    return tba.configure_tensor_cache(module, **options)
+    cache = tba.configure_tensor_cache(module, **options)
+    if settled is not None:
+        settled.append(cache)
+    return cache
 
 
 def stats_dict(cache: Any) -> dict[str, Any] | None:
@@ -148,8 +155,8 @@ def check_hints(got: dict[str, Any]) -> None:
 
 
 def check_real_cache(got: dict[str, Any]) -> None:
-    """The real cache saw the schedule's order, offloaded something, and every reload was
-    served by prefetch (``num_sync_loads == 0``)."""
+    """The real cache saw the schedule's order, offloaded and read back something (its stores
+    settled: ``settling()``), and every reload was served by prefetch (``num_sync_loads == 0``)."""
     for step, logs in enumerate(got["logs"]):
         expected = [tuple(s) for s in got["executed"][step]]
         for stage, log in logs.items():
@@ -161,6 +168,7 @@ def check_real_cache(got: dict[str, Any]) -> None:
     for stage, stats in final.items():
         assert stats is not None
         assert stats["offloaded_bytes"] > 0, f"stage {stage}: nothing was offloaded: {stats}"
+        assert stats["reloaded_bytes"] > 0, f"stage {stage}: nothing was read back: {stats}"
         assert stats["num_sync_loads"] == 0, (
             f"stage {stage}: backward loaded synchronously: {stats}"
         )

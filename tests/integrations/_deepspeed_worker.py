@@ -98,11 +98,11 @@ def run_engine(
 
     per_stage = NUM_LAYERS // world
     module = PipelineModule(
-        # Per stage: NUM_LAYERS // world layers, then a Pause.
+        # Per stage: NUM_LAYERS // world layers, then a SettleStores.
         layers=[
             m
             for s in range(world)
-            for m in [*(layer(s * per_stage + i) for i in range(per_stage)), _common.Pause()]
+            for m in [*(layer(s * per_stage + i) for i in range(per_stage)), _common.SettleStores()]
         ],
         num_stages=world,
         loss_fn=lambda out, target: F.mse_loss(out, target),
@@ -198,7 +198,7 @@ def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool
 
     def offload(offloader: str) -> Any:
         def case() -> Any:
-            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.pausing():
+            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.settling():
                 got = run_engine(
                     rank, world, lambda m: _common.real_cache(m, offloader, tmp), patched
                 )

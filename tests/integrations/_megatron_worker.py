@@ -90,7 +90,7 @@ class Chunk(nn.Module):
         with torch.no_grad():
             for p in self.layers.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-        self.pause = _common.Pause()
+        self.pause = _common.SettleStores()
         self.input_tensor: torch.Tensor | None = None
 
     def set_input_tensor(self, tensors: Any) -> None:
@@ -235,7 +235,7 @@ def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool
 
     def offload(name: str, offloader: str) -> Any:
         def case() -> Any:
-            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.pausing():
+            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.settling():
                 got = run_schedule(
                     name,
                     rank,

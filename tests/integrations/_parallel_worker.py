@@ -33,7 +33,7 @@ class Model(nn.Module):
         super().__init__()
         gen = torch.Generator().manual_seed(4000)
         self.blocks = nn.ModuleList(Block() for _ in range(NUM_BLOCKS))
-        self.pause = _common.Pause()
+        self.pause = _common.SettleStores()
         self.head = nn.Linear(D, D)
         with torch.no_grad():
             for p in self.parameters():
@@ -107,11 +107,11 @@ def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool
 
     def offload(style: str, offloader: str) -> Any:
         def case() -> Any:
-            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.pausing():
+            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.settling():
                 got = train(rank, style, lambda m: _common.real_cache(m, offloader, tmp))
             _common.check_bit_exact(baselines[style], got)
             stats = got["stats"][-1][0]
-            assert stats["offloaded_bytes"] > 0, f"nothing was offloaded: {stats}"
+            assert stats["offloaded_bytes"] > 0 and stats["reloaded_bytes"] > 0, f"nothing was moved: {stats}"
             return stats
 
         return case

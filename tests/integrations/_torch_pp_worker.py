@@ -49,7 +49,7 @@ def stage_indices(placement: str, rank: int, world: int) -> tuple[list[int], int
 def stage_module(stage_index: int) -> nn.Module:
     gen = torch.Generator().manual_seed(1000 + stage_index)
     module = nn.Sequential(
-        nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D), nn.Tanh(), _common.Pause()
+        nn.Linear(D, 2 * D), nn.Tanh(), nn.Linear(2 * D, D), nn.Tanh(), _common.SettleStores()
     )
     with torch.no_grad():
         for p in module.parameters():
@@ -234,7 +234,7 @@ def worker(rank: int, world: int, offloaders: list[str]) -> dict[str, tuple[bool
 
     def offload(name: str, offloader: str) -> Any:
         def case() -> Any:
-            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.pausing():
+            with tempfile.TemporaryDirectory(prefix="tba-int-") as tmp, _common.settling():
                 got = run_schedule(
                     name, rank, world, lambda m: _common.real_cache(m, offloader, tmp), patched
                 )

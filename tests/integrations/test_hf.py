@@ -55,34 +55,42 @@ def _train(tmp_path, callbacks: list, make_model=models.gpt2) -> tuple[torch.nn.
     return model, grads, trainer.state.log_history
 
 
+def _settle_stores(callback, seen_caches: list | None = None):
+    """A TrainerCallback (after ``callback``) that, at train begin, hooks the end of the model's
+    forward to complete every store of ``callback``'s cache before Trainer calls backward, so
+    backward really reloads from the offloader, however busy the machine; it also remembers the
+    live cache in ``seen_caches``."""
+    from transformers import TrainerCallback
+
+    def wait_for_stores(module, args, output):
+        if callback.cache is not None:
+            if seen_caches is not None:
+                seen_caches.append(callback.cache)
+            callback.cache.wait_for_stores(timeout_s=60)
+
+    class SettleStores(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.register_forward_hook(wait_for_stores)
+
+    return SettleStores()
+
+
 def test_trainer_callback_is_bit_exact_and_logs_stats(tmp_path):
+    from transformers import TrainerCallback
+
     from tba.integrations.hf import TensorCacheCallback
 
     callback = TensorCacheCallback(**OPTIONS)
-    seen_caches = []
-
-    class WaitForStores:
-        """Completes every store when forward ends (before Trainer calls backward), so the
-        backward really reloads from the offloader; also remembers the live cache."""
-
-        def __call__(self, module, args, output):
-            if callback.cache is not None:
-                seen_caches.append(callback.cache)
-                callback.cache.wait_for_stores(timeout_s=60)
-
+    seen_caches: list = []
     reference, ref_grads, ref_logs = _train(tmp_path / "ref", [])
-    from transformers import TrainerCallback
-
     seen_logs = []
 
-    class HookAfterConfigure(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            model.register_forward_hook(WaitForStores())
-
+    class RecordLogs(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             seen_logs.append(dict(logs))  # what callbacks after ours (reporters) receive
 
-    model, grads, logs = _train(tmp_path / "tba", [callback, HookAfterConfigure()])
+    settle = _settle_stores(callback, seen_caches)
+    model, grads, logs = _train(tmp_path / "tba", [callback, settle, RecordLogs()])
 
     assert len(grads) == len(ref_grads) == NUM_STEPS
     for step, (want, have) in enumerate(zip(ref_grads, grads)):
@@ -128,7 +136,7 @@ def test_peft_lora_through_trainer_is_bit_exact(tmp_path):
 
     callback = TensorCacheCallback(**OPTIONS)
     reference, ref_grads, _ = _train(tmp_path / "ref", [], make_model=lora)
-    model, grads, logs = _train(tmp_path / "tba", [callback], make_model=lora)
+    model, grads, logs = _train(tmp_path / "tba", [callback, _settle_stores(callback)], make_model=lora)
     assert ref_grads and len(grads) == len(ref_grads)
     for step, (want, have) in enumerate(zip(ref_grads, grads)):
         assert want.keys() == have.keys() and all("lora_" in n for n in want)
@@ -136,6 +144,7 @@ def test_peft_lora_through_trainer_is_bit_exact(tmp_path):
             assert torch.equal(want[name], have[name]), f"step {step}: grad of {name} differs"
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a, b), f"parameter {name} differs after training"
-    # The Trainer runs backward right after forward: on a loaded machine a step's stores may
-    # all be cancelled (backward needed the tensors first), so not every step offloads.
-    assert any(e["tba/offloaded_bytes"] > 0 for e in logs if "loss" in e), logs
+    # Every step's stores completed before its backward: bytes went out and came back.
+    step_logs = [e for e in logs if "loss" in e]
+    assert len(step_logs) == NUM_STEPS, logs
+    assert all(e["tba/offloaded_bytes"] > 0 and e["tba/reloaded_bytes"] > 0 for e in step_logs), logs

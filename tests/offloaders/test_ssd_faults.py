@@ -185,6 +185,13 @@ def test_file_size_limit_gives_efbig(tmp_path: Path) -> None:
 
 
 def test_full_drive_gives_enospc(tmp_path: Path) -> None:
+    # A host tensor keeps its page offset in the file (Note [Direct windows]): a 1 MiB store
+    # at page offset 64 needs 1 MiB + 4 KiB. Every tensor stored here sits at a chosen page
+    # offset (0: whole pages; 64: where the CPU allocator usually puts one), so the slabs on
+    # the drive, and whether the store after the releases fits in them, never depend on where
+    # the allocator put a tensor (it failed once: slabs of 1 MiB from aligned tensors, then an
+    # unaligned store that needed a new slab). One child runs both, one offloader after the
+    # other (closing one deletes its slabs).
     mount_point = tmp_path / "small"
     mount_point.mkdir()
     code = f"""
@@ -192,20 +199,27 @@ def test_full_drive_gives_enospc(tmp_path: Path) -> None:
         from tba.errors import OffloadIOError
         from tba.offloaders.ssd import SSDOffloader
         {_REPORT.strip().replace(chr(10), chr(10) + "        ")}
-        off = SSDOffloader(dirs=[{str(mount_point)!r}], engine="posix", slab_bytes=1 << 20)
-        tokens = []
-        full = report(lambda: [tokens.append(off.store(torch.ones(1 << 20, dtype=torch.uint8))) for _ in range(8)])
-        off.reserve(64 << 20)  # kept for the next store, which raises it
-        reserve = report(lambda: off.store(torch.ones(10, dtype=torch.uint8)))
-        for t in tokens:
-            off.release(t)
-        again = off.store(torch.ones(1 << 20, dtype=torch.uint8))  # space came back
-        off.close()
-        print(json.dumps({{"full": full, "reserve": reserve, "stored": len(tokens)}}))
+        def ones(num_bytes, page_offset):
+            buffer = torch.ones(num_bytes + 8192, dtype=torch.uint8)
+            start = -buffer.data_ptr() % 4096 + page_offset
+            return buffer[start:start + num_bytes]
+        reports = {{}}
+        for page_offset in (0, 64):
+            off = SSDOffloader(dirs=[{str(mount_point)!r}], engine="posix", slab_bytes=1 << 20)
+            tokens = []
+            full = report(lambda: [tokens.append(off.store(ones(1 << 20, page_offset))) for _ in range(8)])
+            off.reserve(64 << 20)  # kept for the next store, which raises it
+            reserve = report(lambda: off.store(ones(10, page_offset)))
+            for t in tokens:
+                off.release(t)
+            again = off.store(ones(1 << 20, page_offset))  # space came back
+            off.close()
+            reports[page_offset] = {{"full": full, "reserve": reserve, "stored": len(tokens)}}
+        print(json.dumps(reports))
         """
     result = run_python(code, cwd=tmp_path, wrapper=tmpfs_wrapper(mount_point, "size=3m"))
-    report = json.loads(result.stdout.splitlines()[-1])
-    assert 1 <= report["stored"] < 8
-    for key in ("full", "reserve"):
-        assert report[key]["errno"] == errno.ENOSPC, report
-        assert "bytes free" in report[key]["text"] and "ssd_dirs" in report[key]["text"]
+    for page_offset, report in json.loads(result.stdout.splitlines()[-1]).items():
+        assert 1 <= report["stored"] < 8, (page_offset, report)
+        for key in ("full", "reserve"):
+            assert report[key]["errno"] == errno.ENOSPC, (page_offset, report)
+            assert "bytes free" in report[key]["text"] and "ssd_dirs" in report[key]["text"]

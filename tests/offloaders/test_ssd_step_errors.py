@@ -132,7 +132,8 @@ def test_caught_keyboard_interrupt_then_bit_exact_training(tmp_path: Path) -> No
             opt.step()
             last = cache.stats()
             assert last.offloaded_bytes > 0 and last.reloaded_bytes > 0, (step, last)
-        assert cache.stats(cumulative=True).num_steps == 4, cache.stats(cumulative=True)
+        # The interrupted forward is no step (Note [Step boundaries]): the three that ran.
+        assert cache.stats(cumulative=True).num_steps == 3, cache.stats(cumulative=True)
         cache.close()
         """
     run_python(code, cwd=tmp_path, timeout_s=120)

@@ -262,10 +262,11 @@ def test_docstring_examples_run() -> None:
     import doctest
 
     import tba.testing
-    from tba.testing import _broken, _chaos, _determinism, _fakes, _parity, _step_timing, _wrapping
+    from tba.offloaders import throttled, wrapper
+    from tba.testing import _broken, _chaos, _determinism, _fakes, _parity, _step_timing
 
-    for module in (tba.testing, _parity, _chaos, _determinism, _wrapping, _fakes, _broken,
-                   _step_timing):
+    for module in (tba.testing, _parity, _chaos, _determinism, wrapper, throttled, _fakes,
+                   _broken, _step_timing):
         result = doctest.testmod(module, raise_on_error=False, verbose=False, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
 

@@ -10,6 +10,7 @@ skip depth (``ThreadState``); records, entries and transfers are shared.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
@@ -197,9 +198,14 @@ class CacheHooks:
         if state.ctx is None or compat.in_backward():
             return
         engine = self.engine
+        # Note [Interrupted forwards]: torch runs this always_call hook with no output while
+        # an exception leaves the forward.
+        raised = output is None and sys.exc_info()[1] is not None
         with engine.lock:
             state.depth -= 1
-            if state.depth <= 0:
+            if state.depth <= 0 and raised:
+                self.tracker.abandon_forward(state)
+            elif state.depth <= 0:
                 state.leave_hooks()
                 self.steps.end_forward()
                 if self.run_order.observing:

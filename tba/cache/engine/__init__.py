@@ -2,7 +2,8 @@
 
 Owns the entries of saved storages and their handles, the entry state machine, the transfers
 and the worker threads that run them, the counters, the stream/event layer (``streams.py``)
-and the Ctrl-C guard of its one lock (``interrupts.py``: Note [Interrupt-safe bookkeeping]).
+and the guard of its one lock against signal handlers (``interrupts.py``: Note
+[Interrupt-safe bookkeeping]).
 
 May import from ``tba.cache``: ``tba.cache.observe``.
 May import from outside it: ``tba.offloaders``, ``tba.errors``, ``tba.settings``,

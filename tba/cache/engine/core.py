@@ -1,7 +1,7 @@
 """`Engine`: the one owner of entry life: identity, references, state, transfers, counters.
 
 Note [One owner of entry life]: every entry is created, moved between states, counted and
-dropped here, under one lock (``Engine.lock``, a critical section for SIGINT: Note
+dropped here, under one lock (``Engine.lock``, a critical section for signal handlers: Note
 [Interrupt-safe bookkeeping]), through the transition table of Note [Entry state machine].
 The training thread calls ``save`` (pack), ``fetch`` and ``prefetch`` (unpack, backward),
 ``drain`` (the releases of dead handles, queued by their weak references and done here in

@@ -1,32 +1,46 @@
-"""Ctrl-C while tba updates its bookkeeping: held back until the update is whole.
+"""Signal handlers while tba updates its bookkeeping: held back until the update is whole.
 
-Note [Interrupt-safe bookkeeping]: a ``KeyboardInterrupt`` (Ctrl-C: SIGINT; in a notebook the
-usual way to stop a cell and go on) is raised in the main thread at whatever bytecode it is
-running when the signal is handled. Landing between two statements of a paired update (an
-entry's state and the counters that sum the states; an allocator's free list and its sizes)
-it would leave them disagreeing for good: leaked entries and extents, negative counters, a
-forward waiting forever for room that was never given back. Landing in a destructor it is
-printed and discarded by Python, so the script never sees it.
+Note [Interrupt-safe bookkeeping]: Python runs a signal's Python-level handler on the main
+thread, between two bytecodes of whatever that thread runs when the signal is handled. If the
+handler raises (Ctrl-C: SIGINT's default handler raises ``KeyboardInterrupt``, in a notebook
+the usual way to stop a cell and go on; a timeout: a SIGALRM handler that raises, caught by a
+training loop that goes on), the exception lands there. Landing between two statements of a
+paired update (an entry's state and the counters that sum the states; an allocator's free list
+and its sizes) it would leave them disagreeing for good: leaked entries and extents, negative
+counters, a forward waiting forever for room that was never given back. Landing in a
+destructor it is printed and discarded by Python, so the script never sees it.
 
 tba therefore changes shared state only inside *critical sections*: while the main thread
-holds a guarded lock (the cache's one lock, ``guard``). tba's SIGINT handler (installed by the
-first cache, over Python's default handler only, and put back when the last cache closes)
-raises at once when the main thread holds no guarded lock, and otherwise records the signal
-(``pending``) and returns, so the section runs to its end. Every tba entry point that takes the
-lock (the pack and unpack hooks, the module and grad_fn hooks, the end-of-backward callback, the
-cache's public calls) calls ``raise_pending`` once it let go of the lock: the interrupt is
-raised there, in the training step, never lost. Waits (backpressure, a load, stores to finish)
-release the lock while they wait, so Ctrl-C ends them at once.
+holds a guarded lock (the cache's one lock, ``guard``). While a cache exists, every
+Python-level signal handler is wrapped (``install``, run by the first cache and again at every
+forward of a configured model, so a handler the script installs later is wrapped at its next
+forward; put back when the last cache closes). The wrapper runs the handler at once when the
+main thread holds no guarded lock, and otherwise records it (``pending``) and returns, so the
+section runs to its end. Every tba entry point that takes the lock (the pack and unpack hooks,
+the module and grad_fn hooks, the end-of-backward callback, the cache's public calls) calls
+``raise_pending`` once it let go of the lock: the handlers held back run there, on the main
+thread, in the order their signals came, with the frames they were called with; what they
+raise is raised in the training step, never lost. A section holds a handler back for as long
+as it runs, which is short: waits (backpressure, a load, stores to finish) release the lock
+while they wait, so a signal ends them at once. Only inline transfers (Note [Small transfers
+inline]) do I/O under the lock.
+
+Left alone: signals whose disposition is not a Python callable (``SIG_DFL``, ``SIG_IGN``, a
+handler installed from C), and tba's own handlers (the SSD cleanup handler ends the process).
+A handler installed while a forward runs is wrapped at the next forward. While a cache exists,
+``signal.getsignal`` returns the wrapper; its ``handler`` attribute is the script's handler.
 
 Handles die in autograd's C++ code and in the garbage collector; tba learns of it through a
 weak reference whose callback is ``deque.append`` (C code: no Python frame in which a signal
 could be handled or an exception discarded), and does the release at its next entry point,
-inside a critical section. Tested by tests/cache/test_interrupts.py, which raises SIGINT at
-every line tba runs in a few training steps.
+inside a critical section. Tested by tests/cache/test_interrupts.py, which raises SIGINT, and
+SIGALRM with a handler that raises, at every line tba runs in a few training steps.
 """
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # signal's C module: Note [Scanning the handlers]
+import collections
 import logging
 import signal
 import threading
@@ -38,68 +52,120 @@ __all__ = ["guard", "unguard", "raise_pending", "pending", "install", "interrupt
 
 logger = logging.getLogger(__name__)
 
-#: A SIGINT arrived during a critical section and waits to be raised (main thread only).
+Handler = Callable[[int, FrameType | None], object]
+
+#: A handler was held back by a critical section and waits to run (main thread only).
 pending = False
-#: KeyboardInterrupts tba's handler let through or raised late: a forward that was running
-#: when one of them was raised may have been abandoned (Note [Interrupted forwards]).
+#: Exceptions raised by signal handlers tba wrapped, at once or late: a forward that was
+#: running when one of them was raised may have been abandoned (Note [Interrupted forwards]).
 interrupt_count = 0
 
 _state_lock = threading.Lock()
 _locks: tuple[weakref.ref[threading.RLock], ...] = ()  # guarded locks (published whole: read by the handler)
-# The handler tba's replaced (Python's default_int_handler).
-_previous: Callable[[int, FrameType | None], object] | int | None = None
+_held: collections.deque[tuple[Handler, int, FrameType | None]] = collections.deque()  # pending handlers
+_wrapped: dict[int, _Deferring] = {}  # signal -> the wrapper tba installed
+_signals: tuple[int, ...] = ()  # the signals a handler can be installed for (computed once)
+_seen: list[object] = []  # their handlers after the last install (Note [Scanning the handlers])
+_getsignal: Callable[[int], object] = _signal.getsignal
 
 
-def _handler(signum: int, frame: FrameType | None) -> None:
-    """tba's SIGINT handler: hold the interrupt back while the main thread is inside a critical
-    section, else hand it to the handler tba replaced."""
-    global pending, interrupt_count
+def _in_critical_section() -> bool:
     for ref in _locks:
         lock = ref()
         # typeshed omits RLock._is_owned (CPython's RLock has it, in C and in Python).
         if lock is not None and lock._is_owned():  # type: ignore[attr-defined]
+            return True
+    return False
+
+
+def _run(handler: Handler, signum: int, frame: FrameType | None) -> None:
+    global interrupt_count
+    try:
+        handler(signum, frame)
+    except BaseException:
+        interrupt_count += 1
+        raise
+
+
+class _Deferring:
+    """tba's wrapper of a Python-level signal handler: holds ``handler`` back while the main
+    thread is inside a critical section, else runs it."""
+
+    __slots__ = ("signum", "handler")
+
+    def __init__(self, signum: int, handler: Handler) -> None:
+        self.signum = signum
+        self.handler = handler
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        global pending
+        if _in_critical_section():
+            _held.append((self.handler, signum, frame))
             pending = True
             return
-    interrupt_count += 1
-    previous = _previous if callable(_previous) else signal.default_int_handler
-    previous(signum, frame)
+        _run(self.handler, signum, frame)
+
+    def __repr__(self) -> str:
+        return f"<tba: {self.handler!r}, held back during tba's bookkeeping>"
 
 
 def raise_pending() -> None:
-    """Raise the interrupt held back by a critical section (call with no guarded lock held,
-    on the thread that may have been interrupted: a no-op on other threads)."""
-    global pending, interrupt_count
-    if pending and threading.current_thread() is threading.main_thread():
-        pending = False
-        interrupt_count += 1
-        previous = _previous if callable(_previous) else signal.default_int_handler
-        previous(signal.SIGINT, None)
+    """Run the handlers held back by a critical section, raising what they raise (call with
+    no guarded lock held, on the thread that may have been interrupted: a no-op on other
+    threads and inside a critical section)."""
+    global pending
+    if not pending or threading.current_thread() is not threading.main_thread() or _in_critical_section():
+        return
+    while _held:
+        handler, signum, frame = _held.popleft()
+        pending = bool(_held)
+        _run(handler, signum, frame)
+    pending = False
+
+
+def _catchable() -> tuple[int, ...]:
+    global _signals
+    if not _signals:
+        _signals = tuple(int(s) for s in signal.valid_signals()
+                         if s not in (signal.SIGKILL, signal.SIGSTOP))
+    return _signals
 
 
 def install() -> None:
-    """Put tba's handler in front of Python's default SIGINT handler (main thread only; a
-    handler the script installed itself, or an ignored/default SIGINT, is left alone). Cheap
-    when it is already installed: called at every forward of a configured model, because
-    notebook kernels put the default handler back around each cell."""
-    global _previous
+    """Wrap every Python-level signal handler not wrapped yet (main thread only, while a cache
+    exists). Called at every forward of a configured model: a handler the script installed
+    since (a timeout around each step), or the default SIGINT handler a notebook kernel puts
+    back around each cell, is wrapped before the forward runs."""
+    global _seen
     if not _locks or threading.current_thread() is not threading.main_thread():
         return
-    try:
-        current = signal.getsignal(signal.SIGINT)
-    except (ValueError, OSError):  # pragma: no cover - no signal support
+    # Note [Scanning the handlers]: at every forward, so it must be cheap. ``signal.getsignal``
+    # turns SIG_DFL and SIG_IGN into enum members (about 5 us a signal: 0.3 ms for the 60);
+    # ``_signal.getsignal`` returns ints and handlers as they are, and the list of all of them
+    # is compared with the last one seen (a few us when nothing changed).
+    signals = _catchable()
+    current = list(map(_getsignal, signals))
+    if current == _seen:
         return
-    if current is _handler or current is not signal.default_int_handler:
-        return
-    _previous = current
-    try:
-        signal.signal(signal.SIGINT, _handler)
-    except (ValueError, OSError):  # pragma: no cover - not the main interpreter
-        return
-    logger.debug("tba: SIGINT is held back during tba's critical sections")
+    for signum, handler in zip(signals, current):
+        if type(handler) is _Deferring or not callable(handler):
+            continue
+        if str(getattr(handler, "__module__", None) or "").startswith("tba."):
+            continue  # tba's own (the SSD cleanup handler ends the process)
+        wrapper = _Deferring(signum, handler)
+        try:
+            signal.signal(signum, wrapper)
+        except (ValueError, OSError, RuntimeError):  # pragma: no cover - not the main interpreter
+            continue
+        _wrapped[signum] = wrapper
+        logger.debug("tba: signal %d's handler %r is held back during tba's critical sections",
+                     signum, handler)
+    _seen = list(map(_getsignal, signals))
 
 
 def guard(lock: threading.RLock) -> None:
-    """Make ``lock`` (an ``RLock``: its owner must be known) a critical section for SIGINT."""
+    """Make ``lock`` (an ``RLock``: its owner must be known) a critical section for signal
+    handlers."""
     global _locks
     with _state_lock:
         _locks = tuple(r for r in _locks if r() is not None) + (weakref.ref(lock),)
@@ -107,15 +173,21 @@ def guard(lock: threading.RLock) -> None:
 
 
 def unguard(lock: threading.RLock) -> None:
-    """Forget ``lock``; the last one gone puts Python's default handler back (if tba's is
-    still the one installed)."""
+    """Forget ``lock``; the last one gone puts the wrapped handlers back (those still
+    installed; from the main thread: elsewhere the wrappers stay, and pass every signal
+    through at once)."""
     global _locks
     with _state_lock:
         _locks = tuple(r for r in _locks if r() is not None and r() is not lock)
         last = not _locks
-    if last and threading.current_thread() is threading.main_thread():
+    if not last or threading.current_thread() is not threading.main_thread():
+        return
+    global _seen
+    for signum, wrapper in list(_wrapped.items()):
         try:
-            if signal.getsignal(signal.SIGINT) is _handler:
-                signal.signal(signal.SIGINT, _previous or signal.default_int_handler)
-        except (ValueError, OSError):  # pragma: no cover
+            if _getsignal(signum) is wrapper:
+                signal.signal(signum, wrapper.handler)
+        except (ValueError, OSError, RuntimeError):  # pragma: no cover
             pass
+    _wrapped.clear()
+    _seen = []

@@ -193,6 +193,12 @@ class NoOffloadDiagnosis:
             + ". (This warning is shown once; cache.summary() repeats it.)"
         )
 
+    def step_dropped(self) -> None:
+        """The step ended with every forward of it interrupted: no step, no evidence (what the
+        interrupted forwards saved is not what a step saves)."""
+        self._sample = _Sample()
+        self._num_without_grad = self._num_in_backward = 0
+
     def _warn(self, message: str) -> str:
         self.warning = message
         self.sampling = False

@@ -4,11 +4,14 @@ Note [Interrupted forwards]: torch runs ``always_call`` forward hooks for ``Exce
 so a ``KeyboardInterrupt`` (or ``SystemExit``) raised inside the model's forward skips the
 root's post hook: this thread's depth, saved-tensor hooks and record stay as they were. Two
 places close such a forward: the next forward of the model (it finds no outer call of the
-model on the stack), and the next save that reaches tba's pack hook after a Ctrl-C (tba's
-SIGINT handler counts the interrupts it let through, ``interrupts.interrupt_count``; a save
-that sees the count moved since its forward began looks for that forward on the stack once).
+model on the stack), and the next save that reaches tba's pack hook after a Ctrl-C or another
+signal handler's exception (tba's wrappers of the signal handlers count the exceptions they
+let through, ``interrupts.interrupt_count``; a save that sees the count moved since its
+forward began looks for that forward on the stack once).
 So a caught Ctrl-C leaves the cache usable, and another model's forward afterwards is not
-offloaded by tba's stale hooks.
+offloaded by tba's stale hooks. An ``Exception`` (a timeout's, the model's own) does reach the
+root's post hook, with no output: that forward is closed there the same way. A closed forward
+is no forward of its step (Note [Step boundaries] in tba/cache/steps/tracker.py).
 """
 
 from __future__ import annotations

@@ -108,6 +108,23 @@ class Steps:
         if self.profile is not None:
             self.profile.end(None)
 
+    def forward_abandoned(self) -> None:
+        """A forward of the running step was ended by an interrupt (Note [Interrupted
+        forwards]): it is no forward of the step (not counted in forwards per step), and the
+        profile it ran in, short of its end, is dropped: the next forward is profiled."""
+        self._num_forwards -= 1
+        self.profile = None
+
+    def drop(self, step: CacheStats) -> None:
+        """The running step ended and every forward of it was interrupted (Note [Step
+        boundaries]): no step. Its counters ``step`` (what it saved, moved and released) join
+        the totals; it is not numbered, recorded, timed or judged."""
+        step.num_steps = 0
+        self.total = self.total.merged(step)
+        self._num_forwards = 0
+        self._step_start = None
+        logger.debug("tba: a step of interrupted forwards only ended: %s", step)
+
     def finish(self, step: CacheStats, peak_held_bytes: int) -> CacheStats:
         """Close the running step with its counters ``step``: record them, decide or
         re-profile, size the offloader from ``peak_held_bytes`` once."""
@@ -297,10 +314,31 @@ class Steps:
     def _check_signature(self, inputs: Any) -> None:
         """Re-profile when the shapes of the tensors in ``inputs`` change: positional and
         keyword arguments alike, nested in tuples, lists and dicts (``model(**batch)``)."""
-        signature = tuple(tuple(t.shape) for t in tensors_in(inputs, max_depth=6))
+        signature = tuple(_shape(t) for t in tensors_in(inputs, max_depth=6))
         if self._signature is not None and signature != self._signature and self._boundary.decision:
             self._reprofile(f"input shapes changed ({self._signature} -> {signature})")
         self._signature = signature
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int | None, ...]:
+    """``tensor``'s shape for the input signature. Note [Ragged inputs]: a nested tensor's
+    ragged dimensions read ``None``. They differ from batch to batch by design (that is what
+    nested tensors are for), so they do not re-profile; its regular dimensions (the number of
+    sequences, the feature width) do. Reading them needs no device sync: a strided nested
+    tensor has no size at a ragged dimension (``size(d)`` raises, as ``shape`` does), a
+    jagged one has a nested int there, new with each batch's offsets. Tested in
+    tests/cache/test_nested.py::test_ragged_input_profiles_once."""
+    if not tensor.is_nested:
+        return tuple(tensor.shape)
+    return tuple(_regular_size(tensor, d) for d in range(tensor.dim()))
+
+
+def _regular_size(tensor: torch.Tensor, dim: int) -> int | None:
+    try:
+        size = tensor.size(dim)
+    except RuntimeError:  # a strided nested tensor's ragged dimension
+        return None
+    return size if isinstance(size, int) else None  # a jagged one's is a nested int
 
 
 def tensors_in(output: Any, depth: int = 0, max_depth: int = 3) -> Iterator[torch.Tensor]:

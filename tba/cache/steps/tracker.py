@@ -18,7 +18,10 @@ a time) are two; forwards whose graphs are kept and never backwarded stay in the
 next backward. A backward whose graph's step already ended (``retain_graph=True`` run again;
 backwards in the reverse order of their forwards without pipeline hints) is a step of its own.
 A backward that never ends (interrupted) is taken as ended at the next forward when every
-record of the step had started its backward. Records of an ended step are dropped with their
+record of the step had started its backward. A forward that an interrupt or an exception
+ended (Note [Interrupted forwards]) is no forward of its step: what it saved stays in the step, but a step
+whose every forward was interrupted is no step (its counters join the totals only, it is not
+profiled, numbered or judged). Records of an ended step are dropped with their
 grad_fn hooks, so what the tracker holds is bounded by the running step.
 
 All methods run under the engine's lock (one lock: Note [One owner of entry life]).
@@ -73,7 +76,8 @@ class StepTracker:
         prefetch_modules: offloaded scopes loaded ahead when backward enters a scope.
         prefetch: starts loading a list of entries (the engine's ``prefetch``); None without
             an offloader.
-        on_step_end: called (lock held) when a step ends.
+        on_step_end: called (lock held) when a step ends, with whether every forward of it was
+            interrupted (then it is no step: Note [Step boundaries]).
     """
 
     def __init__(
@@ -84,7 +88,7 @@ class StepTracker:
         boundary: Boundary,
         prefetch_modules: int,
         prefetch: Callable[[list[Entry]], None] | None,
-        on_step_end: Callable[[], None],
+        on_step_end: Callable[[bool], None],
     ) -> None:
         self.lock = lock
         self._drain = drain
@@ -99,6 +103,7 @@ class StepTracker:
         self.open = False
         self.num_active = 0  # forwards running, all threads
         self.num_forwards = 0  # forwards in the running step
+        self.num_abandoned = 0  # of them, ended by an interrupt (Note [Interrupted forwards])
         self.hint: StageHint | None = None
         self._seq = itertools.count()
         self._auto_keys = itertools.count()
@@ -106,7 +111,7 @@ class StepTracker:
         # (record seq) they reached; at their end that becomes ``_done_seq`` (rule (c)).
         self._queued_tasks: dict[int, int] = {}
         self._done_seq = -1
-        self.on_forward_end: Callable[[], None] | None = None  # the adaptive profile's
+        self.on_forward_abandoned: Callable[[], None] | None = None  # the steps' (profile, count)
         self.closed = False
 
     # ------------------------------------------------------------------ forward
@@ -147,11 +152,13 @@ class StepTracker:
         self.maybe_end_step()
 
     def abandon_forward(self, state: ThreadState) -> None:
-        """Close this thread's forward that an interrupt ended (Note [Interrupted forwards])."""
-        logger.info("tba: the previous forward on this thread was interrupted; closing it")
+        """Close this thread's forward that an interrupt or an exception ended (Note
+        [Interrupted forwards])."""
+        logger.info("tba: a forward on this thread was interrupted or raised; closing it")
         state.leave_hooks()
-        if self.on_forward_end is not None:
-            self.on_forward_end()
+        self.num_abandoned += 1
+        if self.on_forward_abandoned is not None:
+            self.on_forward_abandoned()
         self.end_forward(state)
 
     def unit_exited(self, scope: Scope, output: Any) -> None:
@@ -264,9 +271,10 @@ class StepTracker:
         self.records.clear()
         self._queued_tasks.clear()
         self._done_seq = -1
+        interrupted = 0 < self.num_abandoned == self.num_forwards
         self.open = False
-        self.num_forwards = 0
-        self._on_step_end()
+        self.num_forwards = self.num_abandoned = 0
+        self._on_step_end(interrupted)
 
     def _detach(self, record: Record) -> None:
         record.detached = True

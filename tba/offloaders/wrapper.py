@@ -1,9 +1,9 @@
-"""`OffloaderWrapper`: the base of the offloaders in :mod:`tba.testing` that wrap another one
-(chaos, corruption, the parity audit)."""
+"""`OffloaderWrapper`: the base of every offloader that wraps another one (``Throttled`` here;
+the chaos, corruption and parity-audit offloaders of :mod:`tba.testing`)."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -17,7 +17,8 @@ class OffloaderWrapper:
 
     Subclasses override the calls they change. The optional parts of the protocol pass through
     too: ``store_now`` exists on the wrapper only when ``inner`` has it (the cache looks for it
-    once, when it is built), and ``used_bytes`` and ``take_tier_stats`` answer for ``inner``.
+    once, when it is built) and the subclass lets it (``passes_store_now``), and ``used_bytes``
+    and ``take_tier_stats`` answer for ``inner``.
 
     Args:
         inner: the offloader wrapped.
@@ -27,7 +28,8 @@ class OffloaderWrapper:
         ValueError: ``inner`` is not an :class:`tba.offloaders.Offloader`.
 
     Example:
-        >>> from tba.testing import FakeOffloader, OffloaderWrapper
+        >>> from tba.offloaders import OffloaderWrapper
+        >>> from tba.testing import FakeOffloader
         >>> class Counting(OffloaderWrapper):
         ...     def __init__(self, inner):
         ...         super().__init__(inner, "counting")
@@ -39,15 +41,20 @@ class OffloaderWrapper:
         'counting(fake)'
     """
 
+    #: Whether ``inner``'s ``store_now`` (an inline store on the training thread) is passed
+    #: through. A subclass whose ``store`` does more than ``inner``'s (waits, counts) sets it
+    #: False unless it overrides ``_store_now`` to do the same.
+    passes_store_now: ClassVar[bool] = True
+
     def __init__(self, inner: Offloader, label: str) -> None:
         if not isinstance(inner, Offloader):
             raise ValueError(
-                f"tba.testing.{type(self).__name__}: expected an offloader to wrap (an object with "
+                f"tba: {type(self).__name__}: expected an offloader to wrap (an object with "
                 f"name/store/load/release/reserve/close, tba.offloaders.Offloader), got {inner!r}"
             )
         self.inner = inner
         self.name = f"{label}({inner.name})"
-        if getattr(inner, "store_now", None) is not None:
+        if self.passes_store_now and getattr(inner, "store_now", None) is not None:
             self.store_now = self._store_now
 
     def store(self, src: torch.Tensor) -> Any:

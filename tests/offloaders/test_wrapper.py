@@ -1,0 +1,67 @@
+"""One forwarding base for offloaders that wrap another (issue 30): `tba.offloaders.Throttled`
+and tba.testing's wrappers pass the protocol's optional parts through alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import tba
+from tba.offloaders import HostOffloader, Offloader, OffloaderWrapper, Throttled, TieredOffloader
+from tba.offloaders.ssd import SSDOffloader
+from tba.testing import ChaosOffloader
+from tests import models
+
+WRAPPERS: dict[str, Callable[[Offloader], OffloaderWrapper]] = {
+    "base": lambda inner: OffloaderWrapper(inner, "label"),
+    "throttled": lambda inner: Throttled(inner, write_bytes_per_s=1e12),
+    "chaos": lambda inner: ChaosOffloader(inner, max_delay_s=0.0),
+}
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_wrappers_pass_the_optional_parts_through(kind: str, tmp_path: Path) -> None:
+    tiered = TieredOffloader(1 << 20, spill=SSDOffloader(dirs=(str(tmp_path),), engine="posix"))
+    wrapped = WRAPPERS[kind](tiered)
+    assert isinstance(wrapped, Offloader) and wrapped.inner is tiered
+    assert wrapped.name.endswith(f"({tiered.name})"), wrapped.name
+    token = wrapped.store(torch.ones(1000, dtype=torch.uint8))
+    assert wrapped.used_bytes == tiered.used_bytes > 0
+    assert set(wrapped.take_tier_stats()) == set(tiered.tier_names)
+    dst = torch.empty(1000, dtype=torch.uint8)
+    wrapped.load(token, dst)
+    assert torch.equal(dst, torch.ones(1000, dtype=torch.uint8))
+    wrapped.release(token)
+    assert wrapped.used_bytes == 0
+    wrapped.close()
+
+
+def test_throttled_stores_are_never_inline() -> None:
+    # The host offloader stores inline when it can (store_now); a throttled store must be
+    # paced, so on the store worker: Throttled does not pass store_now through.
+    assert getattr(OffloaderWrapper(HostOffloader(), "x"), "store_now", None) is not None
+    assert getattr(Throttled("host"), "store_now", None) is None
+    assert Throttled("host").name == "throttled(host)"
+
+
+def test_a_throttled_pool_is_checked_after_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Note [Cache invariants]: with used_bytes passed through, the cache sees what the inner
+    # pool holds (0 once every entry is gone).
+    monkeypatch.setenv("TBA_CHECK_INVARIANTS", "1")
+    model = models.Stack(num_blocks=2, width=16)
+    slow = Throttled("host", write_bytes_per_s=1e12)
+    with tba.configure_tensor_cache(model, offloader=slow, offload_devices=("cpu",),
+                                    min_offload_bytes=0, keep_last_modules=0, adaptive=False
+                                    ) as cache:
+        model(models.vector_batch(0)).backward()
+        assert cache.stats().offloaded_bytes > 0
+        leaked = slow.inner.store(torch.ones(64, dtype=torch.uint8))  # held by no entry
+        held = slow.used_bytes
+        assert held is not None and held > 0
+        with pytest.raises(tba.TBAError, match=f"'throttled\\(host\\)' offloader still holds {held} bytes"):
+            model(models.vector_batch(1)).backward()
+        slow.inner.release(leaked)
+
