@@ -211,6 +211,7 @@ def test_kept_scopes_use_no_look_ahead() -> None:
     assert stats.num_sync_loads == 0, f"{stats.num_sync_loads} loads were not prefetched"
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("offloading", ["none", "too small to offload", "offloads"])
 def test_prefetch_hooks_only_where_something_is_offloaded(offloading: str) -> None:
     """Note [Prefetch hooks]: a forward that marked nothing for offload registers no grad_fn
@@ -327,6 +328,7 @@ class GatedLoads(FakeOffloader):
         super().load(token, dst)
 
 
+@pytest.mark.timing
 def test_a_reserve_asked_while_loads_are_queued_runs_when_they_are_done() -> None:
     """The store worker waits while loads are queued, a reserve included: when the load queue
     empties it must wake for the reserve even with no store queued, or ``wait_for_stores``
@@ -356,6 +358,43 @@ def test_a_reserve_asked_while_loads_are_queued_runs_when_they_are_done() -> Non
         engine.drain()
         engine.close()
     assert not engine.check()
+
+
+class GatedReserve(FakeOffloader):
+    """``reserve`` blocks until ``reserve_gate`` is set; ``reserve_started`` is set on entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reserve_gate = threading.Event()
+        self.reserve_started = threading.Event()
+
+    def reserve(self, num_bytes: int) -> None:
+        self.reserve_started.set()
+        assert self.reserve_gate.wait(JOIN_S), "test reserve gate never opened"
+        super().reserve(num_bytes)
+
+
+@pytest.mark.timing
+def test_wait_for_stores_waits_for_a_running_reserve() -> None:
+    """A reserve the store worker has taken and runs (the lock let go) still counts: the
+    offloader is sized when ``wait_for_stores`` returns (a test's next step relies on it)."""
+    offloader = GatedReserve()
+    saved = torch.arange(1024, dtype=torch.float32)
+    engine, handle = bare_engine(offloader, saved)
+    try:
+        engine.wait_for_stores(JOIN_S)
+        engine.reserve_later(4096)
+        assert offloader.reserve_started.wait(JOIN_S), "the reserve never started"
+        with pytest.raises(tba.TBAError, match="still in flight"):
+            engine.wait_for_stores(0.2)  # the gate is shut: the reserve cannot have finished
+        offloader.reserve_gate.set()
+        engine.wait_for_stores(JOIN_S)
+        assert offloader.reserved == [4096]
+    finally:
+        offloader.reserve_gate.set()
+        del handle
+        engine.drain()
+        engine.close()
 
 
 def wait_until(condition, timeout_s: float = JOIN_S) -> bool:

@@ -129,6 +129,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers, InlineBatches):
         # A reserve() the store worker makes when idle; None: none pending (0 is a request:
         # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps/steps.py).
         self._reserve_bytes: int | None = None
+        self._num_reserving = 0  # reserves running on store workers (lock let go)
         self._progress = 0  # transfers finished: waits fail only when this stops moving
         self.step = CacheStats()
 

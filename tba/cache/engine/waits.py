@@ -45,6 +45,7 @@ class EngineWaits:
     _warned_load_retry: bool
     _unwoken_bytes: int
     _reserve_bytes: int | None
+    _num_reserving: int
     _load_q: collections.deque[Entry]
     _progress: int
     _start_workers: Callable[[], None]
@@ -148,8 +149,8 @@ class EngineWaits:
                 )
 
     def wait_for_stores(self, timeout_s: float) -> None:
-        """Block until no store is queued or running and no reserve is pending (bounded by
-        ``timeout_s``).
+        """Block until no store is queued or running and no reserve is pending or running
+        (bounded by ``timeout_s``).
 
         Raises:
             TBAError: stores are still in flight after ``timeout_s`` seconds.
@@ -161,7 +162,9 @@ class EngineWaits:
             self.store_batch()  # Note [Small transfers in batches]
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
-            while (self.inflight_bytes > 0 or self._reserve_bytes is not None) and self.error is None:
+            while self.error is None and (
+                self.inflight_bytes > 0 or self._reserve_bytes is not None or self._num_reserving
+            ):
                 self._check_alive(lambda: "stores to finish")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -183,7 +186,8 @@ class EngineWaits:
 
         def busy() -> bool:
             return bool(
-                self.inflight_bytes or self._reserve_bytes is not None or self._load_q or self.orphans
+                self.inflight_bytes or self._reserve_bytes is not None or self._num_reserving or self._load_q
+                or self.orphans
                 or any(e.state is S.LOADING for e in self.table.entries())
             )
 

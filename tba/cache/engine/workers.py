@@ -96,6 +96,7 @@ class TransferWorkers:
     _num_threads: dict[str, int]
     _stopping: bool
     _reserve_bytes: int | None
+    _num_reserving: int
     _keep_on_error: bool
     timeout_s: float
     _warned_keep: bool
@@ -253,7 +254,9 @@ class TransferWorkers:
         failure = None
 
     def _reserve_now(self, nbytes: int) -> None:
-        """On the store worker, lock held on entry and exit (released around the call)."""
+        """On the store worker, lock held on entry and exit (released around the call; the
+        waits for stores see ``_num_reserving`` meanwhile)."""
+        self._num_reserving += 1
         self.cond.release()
         try:
             self.offloader.reserve(nbytes)
@@ -263,6 +266,7 @@ class TransferWorkers:
             failure = None
         finally:
             self.cond.acquire()
+            self._num_reserving -= 1
             self._notify_done()  # wait_for_stores waits for this too
         if failure is not None:
             self.step.num_io_errors += 1
