@@ -62,7 +62,7 @@ class TensorCacheConfig:
             offloading its blocks are timed against steps keeping every block, and tba
             offloads only as many leading blocks as keep the step within this fraction of
             keep (0.05: 5% slower at most) and are worth it (docs/policy.md), settling within
-            48 measured steps; the settled boundary is watched against new keep steps and
+            60 measured steps; the settled boundary is watched against new keep steps and
             checked again when it runs over. The keep steps hold every activation in memory
             for one step each. ``None``: the rule alone, no measured steps.
         activation_budget_bytes: budget mode: the most device memory the cache may hold for

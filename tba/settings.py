@@ -24,6 +24,7 @@ __all__ = [
     "CLOSED_LOOP_MAX_PROBE_STEPS",
     "CLOSED_LOOP_MIN_PAIRS",
     "CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD",
+    "CLOSED_LOOP_PASS_CONFIDENCE",
     "CLOSED_LOOP_RECHECK_EVERY_STEPS",
     "CLOSED_LOOP_RUN",
     "DIRECT_IO_ALIGNMENT",
@@ -83,18 +84,24 @@ CLOSED_LOOP_KEEP_MARGIN: float = 1.25
 CLOSED_LOOP_RUN: int = 2
 # Confidence (fraction) of each one-sided distribution-free bound on the median paired ratio.
 CLOSED_LOOP_CONFIDENCE: float = 0.8
+# Confidence (fraction) of the upper bound a pass also needs on the pairs of the boundary and of
+# the larger ones measured, scaled to its bytes (Note [Bracket search]): a boundary just over
+# the budget must not pass on noise.
+CLOSED_LOOP_PASS_CONFIDENCE: float = 0.9
 # Pairs (count) before a verdict: the fewest that bound the median at CLOSED_LOOP_CONFIDENCE.
 CLOSED_LOOP_MIN_PAIRS: int = 3
 # Pairs (count) per boundary at most; still undecided after them: the cheaper side (fewer blocks).
 CLOSED_LOOP_MAX_PAIRS: int = 5
-# Measured steps (count) per check at most: a check settles within them.
-CLOSED_LOOP_MAX_PROBE_STEPS: int = 48
+# Measured steps (count) per check at most: a check settles within them. Room for three
+# boundaries measured to CLOSED_LOOP_MAX_PAIRS (Note [Bracket search]).
+CLOSED_LOOP_MAX_PROBE_STEPS: int = 60
 # Worth it (plain factor): a boundary's offloaded fraction of the blocks' activation bytes must
 # be at least this times its step-time overhead (5: each 1% of step time saves >= 5% of bytes).
 CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD: float = 5.0
 # Steady steps (count) between runs of keep steps that refresh the keep baseline.
 CLOSED_LOOP_KEEP_EVERY: int = 20
-# Timed keep steps (count) whose median is the keep baseline.
+# Timed keep steps (count) the keep baseline is taken from: the second fastest of them (other
+# work only adds time, so a few disturbed keep steps leave it as it was).
 CLOSED_LOOP_BASELINE_KEEPS: int = 5
 # Steady steps (count) whose median is compared with the keep baseline for drift.
 CLOSED_LOOP_DRIFT_WINDOW: int = 5

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from tba.settings import CLOSED_LOOP_MAX_PROBE_STEPS
+
 __all__ = ["MAX_EXTRA_WARMUP", "Warmup", "sent_to_offloader", "settled_alike", "tail_start"]
 
 # Warm-up of a policy strategy goes on (up to this many extra steps) until its decision holds:
-# a closed-loop check measures at most 48 steps after the profile
-# (tba.settings.CLOSED_LOOP_MAX_PROBE_STEPS), and a few more settle it.
-MAX_EXTRA_WARMUP = 56
+# a closed-loop check measures at most CLOSED_LOOP_MAX_PROBE_STEPS steps after the profile,
+# and a few more (a profile step again, two steps run alike) settle it.
+MAX_EXTRA_WARMUP = CLOSED_LOOP_MAX_PROBE_STEPS + 4
 
 
 def tail_start(cache: Any) -> int | None:

@@ -18,7 +18,9 @@ For extenders (a new offloader, a scheduler integration) and tba's own tests:
   call race]) before any bit-exact comparison of your own.
 - :func:`drive_closed_loop` gives a cache's closed loop scripted time: a
   :class:`FakeStepClock` that moves only when the test moves it, the memory free for keep
-  steps, the loop's periods.
+  steps, the loop's periods. :class:`ScriptedWorld` is a whole world built on it: a small
+  model in a real cache whose compute, transfer, noise, outliers and drift are scripted and
+  whose best boundary is known, for tests of what the adaptive policy decides.
 - :func:`probe` is a read-only view of a cache's insides (entries and their states, the
   running step's records, counters, hooks held); tba's own tests read the cache through it.
 
@@ -43,6 +45,7 @@ from tba.testing._parity import check_parity
 from tba.testing._report import Mismatch, ParityReport
 from tba.offloaders.wrapper import OffloaderWrapper
 from tba.testing._probe import CacheProbe, probe
+from tba.testing._scripted_world import ScriptedWorld
 from tba.testing._step_timing import FakeStepClock, drive_closed_loop
 
 __all__ = [
@@ -60,4 +63,5 @@ __all__ = [
     "CacheProbe",
     "drive_closed_loop",
     "FakeStepClock",
+    "ScriptedWorld",
 ]

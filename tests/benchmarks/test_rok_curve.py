@@ -372,7 +372,7 @@ class _MeasuringCache(_ScriptedCache):
         entry = self.script[self.step - 1] if self.step else (None,)
         if entry[0] is None:
             return None
-        return type("Decision", (), {"tail_start": entry[0], "max_probe_steps": 48,
+        return type("Decision", (), {"tail_start": entry[0], "max_probe_steps": 60,
                                      "settled_at_step": entry[2]})()
 
 

@@ -32,13 +32,13 @@ def test_the_clock_times_the_steps() -> None:
                                     min_offload_bytes=0) as cache:
         drive_closed_loop(cache, clock=clock, free_bytes=lambda: 1 << 40)
         assert probe(cache).has_closed_loop
-        for step in range(1, 15):
+        for step in range(1, 19):  # profile (1-2); four pairs: the rule's boundary alone
             loss = model(models.vector_batch(step))
             cache.wait_for_stores(60)
             loss.backward()
         decision = cache.adaptive_decision
         kinds = [(e.kind, e.tail_start) for e in probe(cache).loop_events]
-    assert decision.keep_step_s == pytest.approx(6.0) and decision.settled_at_step == 14
+    assert decision.keep_step_s == pytest.approx(6.0) and decision.settled_at_step == 18
     assert kinds == [("measure", 5), ("pass", 5), ("settle", 5)]
 
 

@@ -1,6 +1,7 @@
 """Which blocks are offloaded: the boundary rule and budget mode (``boundary.py``), the forward
 profile they decide from, the closed loop that checks a boundary against measured step time
-and its paired ratios, and the diagnosis of a cache that offloaded nothing.
+(``closed_loop.py``), the bracket search it measures boundaries by (``bracket_search.py``) and
+their paired ratios, and the diagnosis of a cache that offloaded nothing.
 
 May import from ``tba.cache``: ``tba.cache.engine``, ``tba.cache.observe``.
 May import from outside it: ``tba.config``, ``tba.settings``, ``tba._torch_compat``.

@@ -14,44 +14,44 @@ after an offload step ran 12% slower than one after a keep step, and an offload 
 offload step 17-36% slower than one after a keep step, so strictly alternating steps hid
 most of the cost. The second step of a run sees what a steady run sees. Each (keep, offload)
 pair of second steps gives a ratio, and the verdict comes from their median and
-distribution-free bounds on it (Note [Bounds on the median ratio]): within the budget when
-the upper bound is, over it when the lower bound is, otherwise more pairs (from ``min_pairs``
-to ``max_pairs``) and, still undecided, the cheaper side: over. Pairing cancels a machine
-that speeds up or slows down during the measurement, the median and its bounds a disturbed
-step; no decision rests on the fastest sample.
+distribution-free bounds on it (Note [Bounds on the median ratio]), and from the pairs of the
+other boundaries measured in the same check (Note [Bracket search]): passed, over, or, while
+neither, more pairs (from ``min_pairs`` to ``max_pairs``); still undecided, the cheaper side:
+counted over. Pairing cancels a machine that speeds up or slows down during the measurement,
+the median and its bounds a disturbed step; no decision rests on the fastest sample.
 
 *Worth it*: offloading ``[0, n)`` saves ``s`` = its bytes over all the blocks' offloadable
-bytes, at measured cost ``m`` (the median overhead). It is worth it when ``m <= 0`` or
-``s >= min_saving_per_overhead * m`` (by default 5: each 1% of step time must take at least 5%
-of the blocks' activation bytes out of memory; at the 5% budget a boundary must save 25%).
-A boundary within the budget that is not worth it fails: the search goes to fewer blocks, and
-when nothing qualifies every block is kept (the keep steps have shown there is memory for it).
+bytes. It is worth a step-time overhead of at most ``s / min_saving_per_overhead`` (by default
+5: each 1% of step time must take at least 5% of the blocks' activation bytes out of memory;
+at the 5% budget a boundary must save 25%, one block of twelve, 8.3%, may cost 1.7%): a
+boundary's *limit* is the smaller of that and ``max_overhead``: a boundary passes when its median
+is within its limit and an upper bound on it within ``max_overhead`` (Note [Bracket search]).
+When nothing qualifies every block is kept (the keep steps have shown there is memory for it).
 
-*A check* searches ``[0, c]``, ``c`` first (where transfers hide, the rule is right). ``lo`` is
-the largest boundary that passed (0 at first), ``hi`` the largest not yet failed; the next
-boundary is the middle ``(lo + hi + 1) // 2`` (bisection over the number of offloaded blocks),
-or fewer when the last failure's overhead per offloaded byte predicts the middle over the
-budget or not worth it: then the largest boundary predicted to pass (at least ``lo + 1``: a
-prediction picks what to measure, never decides alone). A boundary that passes while that
-prediction fails the next larger one ends the search there (the cheaper side). A check settles
-at ``lo`` when ``lo == hi``, and never measures more than ``max_probe_steps`` steps (keep and
-offload steps alike): it settles within that many steps after it starts, whatever the noise.
-``probe_steps`` and ``settled_at_step`` report it.
+*A check* searches ``[0, c]``, ``c`` first (where transfers hide, the rule is right), by a
+bracket: the largest boundary known within and the smallest known over, measured or predicted
+from what was measured, each verdict using every pair measured so far (Note [Bracket search]).
+It settles at the bracket's lower end when the bracket is one block wide, and never measures
+more than ``max_probe_steps`` steps (keep and offload steps alike): whatever the noise, it
+settles within that many steps after it starts (at the lower end when the budget runs out).
+``probe_steps`` and ``settled_at_step`` report it, and the settle event and ``reason`` say
+what each end of the bracket rests on.
 
-*Steady*: the settled boundary is watched against the *keep baseline* (the median of the last
-timed keep steps), not against its own accepted time. A run of two keep steps every
-``keep_every`` steady steps refreshes the baseline (when the memory for it is free:
-``can_keep``). When the median of the last ``window`` steady steps (at least ``min_pairs``) is
-more than ``max_overhead`` above the baseline, the boundary is checked again at once, from
-``[0, n]`` down: from the next step on at most half the steps offload until the verdict, a
-boundary that went over the budget is measured over and backed off within ``window +
-4 * max_pairs`` steps, and the check settles within ``max_probe_steps``. Every
-``recheck_every`` steady steps conditions are checked again from a new profile (the rule, then
-a check): contention that went away is seen only by offloading again. The loop only reads
-step times: the cache's steps feed them (``observe``) and apply the boundary it returns.
-Tested with scripted step times in tests/cache/test_overhead_loop.py and, in the
-cache with a fake clock installed by ``tba.testing.drive_closed_loop``,
-tests/cache/test_closed_loop.py.
+*Steady*: the settled boundary is watched against the *keep baseline* (the second fastest of
+the last timed keep steps: other work only adds time), not against its own accepted time. A
+run of two keep steps every ``keep_every`` steady steps refreshes the baseline (when the
+memory for it is free: ``can_keep``). When the median of the last ``window`` steady steps (at
+least ``min_pairs``) is more than its limit above the baseline (``max_overhead``, or less
+where its saving is worth less), the boundary is checked again at once, from ``[0, n]`` down:
+from the next step on at most half the steps offload until the verdict, a boundary that went
+over the budget is measured over and backed off within ``window + 4 * max_pairs`` steps, and
+the check settles within ``max_probe_steps``. Every ``recheck_every`` steady steps conditions
+are checked again from a new profile (the rule, then a check): contention that went away is
+seen only by offloading again. The loop only reads step times: the cache's steps feed them
+(``observe``) and apply the boundary it returns. Tested with scripted step times in
+tests/cache/test_overhead_loop.py and, in the cache with a fake clock installed by
+``tba.testing.drive_closed_loop``, tests/cache/test_closed_loop.py and (whole scripted
+worlds, ``tba.testing.ScriptedWorld``) tests/cache/test_scripted_worlds.py.
 
 A keep step holds every activation of the step in memory, which offloading was meant to avoid:
 the cache starts the loop only when the memory free at the decision covers what the rule's
@@ -67,7 +67,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tba.cache.policy.paired_ratios import PairedOverhead, judge, median
+from tba.cache.policy.bracket_search import BracketSearch, Verdict
+from tba.cache.policy.paired_ratios import PairedOverhead, median
 from tba.settings import CLOSED_LOOP_BASELINE_KEEPS as BASELINE_KEEPS
 from tba.settings import CLOSED_LOOP_CONFIDENCE as CONFIDENCE
 from tba.settings import CLOSED_LOOP_DRIFT_WINDOW as DRIFT_WINDOW
@@ -77,6 +78,7 @@ from tba.settings import CLOSED_LOOP_MAX_PAIRS as MAX_PAIRS
 from tba.settings import CLOSED_LOOP_MAX_PROBE_STEPS as MAX_PROBE_STEPS
 from tba.settings import CLOSED_LOOP_MIN_PAIRS as MIN_PAIRS
 from tba.settings import CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD as MIN_SAVING_PER_OVERHEAD
+from tba.settings import CLOSED_LOOP_PASS_CONFIDENCE as PASS_CONFIDENCE
 from tba.settings import CLOSED_LOOP_RECHECK_EVERY_STEPS as RECHECK_EVERY_STEPS
 from tba.settings import CLOSED_LOOP_RUN as RUN
 
@@ -118,6 +120,14 @@ class LoopEvent:
     text: str
 
 
+def _baseline_s(keep_s: Sequence[float]) -> float:
+    """The keep baseline from the last timed keep steps: the second fastest of three or more
+    (other work only ever adds time: up to all but two disturbed keep steps leave it as it
+    was, where their median followed three of five), else the fastest."""
+    ordered = sorted(keep_s)
+    return ordered[1] if len(ordered) >= 3 else ordered[0]
+
+
 class OverheadLoop:
     """Chooses among boundaries ``[0, rule]`` by measured step time (Note [Closed loop]).
 
@@ -129,10 +139,10 @@ class OverheadLoop:
     Example:
         >>> loop = OverheadLoop(0.05)
         >>> at = loop.start(2, [10, 10, 10])  # the rule allows blocks [0, 2): keep steps first
-        >>> for _ in range(12):  # keep, keep, offload, offload, ...: three timed pairs
+        >>> for _ in range(16):  # keep, keep, offload, offload, ...: four timed pairs
         ...     at = loop.observe(at, 1.0 if at == 0 else 1.01)
         >>> at, loop.probing, loop.probe_steps
-        (2, False, 12)
+        (2, False, 16)
     """
 
     def __init__(
@@ -144,6 +154,7 @@ class OverheadLoop:
         max_pairs: int = MAX_PAIRS,
         max_probe_steps: int = MAX_PROBE_STEPS,
         confidence: float = CONFIDENCE,
+        pass_confidence: float = PASS_CONFIDENCE,
         min_saving_per_overhead: float = MIN_SAVING_PER_OVERHEAD,
         keep_every: int = KEEP_EVERY,
         window: int = DRIFT_WINDOW,
@@ -155,6 +166,7 @@ class OverheadLoop:
         self.max_pairs = max(max_pairs, min_pairs)
         self.max_probe_steps = max(max_probe_steps, 2 * RUN * min_pairs)
         self.confidence = confidence
+        self.pass_confidence = pass_confidence
         self.min_saving_per_overhead = min_saving_per_overhead
         self.keep_every = keep_every
         self.window = window
@@ -169,8 +181,11 @@ class OverheadLoop:
         self.reason = "not started"
         self.events: collections.deque[LoopEvent] = collections.deque(maxlen=256)
         self._block_bytes: tuple[int, ...] = ()
-        self._lo = self._hi = 0
-        self._per_byte: float | None = None  # overhead per offloaded byte, last failure
+        self._search = BracketSearch(
+            (), 0, max_overhead=max_overhead, min_saving_per_overhead=min_saving_per_overhead,
+            confidence=confidence, pass_confidence=pass_confidence,
+        )
+        self._limit = max_overhead  # the overhead the settled boundary may cost
         self._passed: dict[int, PairedOverhead] = {}
         self._keep: list[float] = []
         self._offload: list[float] = []
@@ -213,7 +228,8 @@ class OverheadLoop:
 
     @property
     def keep_baseline_s(self) -> tuple[float, ...]:
-        """The timed keep steps whose median is the keep baseline, oldest first."""
+        """The timed keep steps the keep baseline is taken from (the second fastest), oldest
+        first."""
         return tuple(self._baseline)
 
     def decision_fields(self) -> dict[str, Any]:
@@ -229,14 +245,17 @@ class OverheadLoop:
         )
 
     # ------------------------------------------------------------------ a check
-    def _check(self, hi: int, step: int | None, why: str) -> int:
-        """Search ``[0, hi]`` from ``hi`` down (Note [Closed loop])."""
-        self._lo, self._hi = 0, hi
-        self._per_byte = None
+    def _check(self, top: int, step: int | None, why: str) -> int:
+        """Search ``[0, top]``, ``top`` first (Note [Bracket search])."""
+        self._search = BracketSearch(
+            self._block_bytes, top, max_overhead=self.max_overhead,
+            min_saving_per_overhead=self.min_saving_per_overhead, confidence=self.confidence,
+            pass_confidence=self.pass_confidence,
+        )
         self._passed = {}
         self.probe_steps = 0
         self.settled_at_step = None
-        return self._probe(hi, step, why)
+        return self._probe(top, step, why)
 
     def _probe(self, candidate: int, step: int | None, why: str) -> int:
         self._keep, self._offload, self._num_judged = [], [], 0
@@ -268,64 +287,36 @@ class OverheadLoop:
         num_pairs = min(len(self._keep), len(self._offload))
         if num_pairs > self._num_judged and num_pairs >= self.min_pairs:
             self._num_judged = num_pairs
-            result = judge(self._keep[:num_pairs], self._offload[:num_pairs], self.max_overhead,
-                           self.confidence)
             budget_left = self.max_probe_steps - self.probe_steps
-            if result.within is not None or num_pairs >= self.max_pairs or budget_left < 2 * RUN:
-                return self._conclude(result, step)
+            pairs_left = min(self.max_pairs - num_pairs, budget_left // (2 * RUN))
+            verdict = self._search.judge(c, self._keep[:num_pairs], self._offload[:num_pairs],
+                                         pairs_left=pairs_left)
+            if verdict is not None:
+                return self._conclude(verdict, step)
         return self._next_in_probe(ran_at)
 
-    def _conclude(self, result: PairedOverhead, step: int) -> int:
-        c = self.candidate
+    def _conclude(self, verdict: Verdict, step: int) -> int:
+        c, search = self.candidate, self._search
+        result = verdict.measured
         self.last, self.last_tail_start = result, c
-        saved = self._saved_fraction(c)
-        worth = self._worth_it(saved, result.overhead)
-        passed = result.within is True and worth
-        measured = f"blocks [0, {c}) {result.describe()}, saving {saved:.0%}"
-        if result.within is None:
-            verdict = f"cannot tell if within {self.max_overhead:.0%}: the cheaper side"
-        elif not result.within:
-            verdict = f"over {self.max_overhead:.0%}"
-        elif not worth:
-            verdict = (f"within {self.max_overhead:.0%} but not worth it (saves less than "
-                       f"{self.min_saving_per_overhead:g}x the overhead)")
-        else:
-            verdict = f"within {self.max_overhead:.0%} and worth it"
-        self._event(step, "pass" if passed else "fail", c, f"{measured}: {verdict}")
-        logger.info("tba adaptive: %s: %s", measured, verdict)
+        measured = verdict.describe(self.max_overhead, self.pass_confidence)
+        passed = verdict.outcome == "pass"
+        self._event(step, "pass" if passed else "fail", c, measured)
+        logger.info("tba adaptive: %s", measured)
         if passed:
             self._passed[c] = result
-            self._lo = c
-            if self._per_byte is not None and c < self._hi and not self._predicted_to_pass(c + 1):
-                self._hi = c
-                verdict += f"; blocks [0, {c + 1}) predicted to fail"
-        else:
-            self._hi = c - 1
-            if result.overhead > 0 and self._offloaded_bytes(c) > 0:
-                self._per_byte = result.overhead / self._offloaded_bytes(c)
-        if self._lo >= self._hi:
-            return self._settle(self._lo, step, f"{measured}: {verdict}")
+        search.conclude(verdict)
+        bracket = search.describe()
+        if search.done:
+            return self._settle(search.lo, step, f"{measured}; {bracket}")
         if self.max_probe_steps - self.probe_steps < 2 * RUN * self.min_pairs:
-            return self._settle(self._lo, step, f"{measured}: {verdict}; measuring budget spent")
-        return self._probe(self._next_candidate(), step, f"{measured}: {verdict}")
-
-    def _next_candidate(self) -> int:
-        lo, hi = self._lo, self._hi
-        middle = (lo + hi + 1) // 2
-        if self._per_byte is None:
-            return middle
-        fits = [n for n in range(lo + 1, hi + 1) if self._predicted_to_pass(n)]
-        return min(middle, max(fits) if fits else lo + 1)
-
-    def _predicted_to_pass(self, n: int) -> bool:
-        """By the last failure's overhead per offloaded byte."""
-        assert self._per_byte is not None
-        predicted = self._per_byte * self._offloaded_bytes(n)
-        return predicted <= self.max_overhead + 1e-9 and self._worth_it(self._saved_fraction(n), predicted)
+            return self._settle(search.lo, step, f"{measured}; {bracket}; measuring budget spent")
+        return self._probe(search.next_candidate(), step, f"{measured}; {bracket}")
 
     def _settle(self, n: int, step: int | None, why: str) -> int:
         self.probing = False
         self.candidate = n
+        self._limit = self._search.limit(n)  # what the steady steps are held to
         self.settled_at_step = step
         self._num_steady = 0
         self._recent.clear()
@@ -358,12 +349,13 @@ class OverheadLoop:
             return None
         if c == 0 or not self._baseline or not timed:
             return c
-        baseline = median(self._baseline)
+        baseline = _baseline_s(self._baseline)
         self._recent.append(seconds / baseline - 1.0 if baseline > 0 else 0.0)
         drift = median(self._recent)
-        if len(self._recent) >= self.min_pairs and drift > self.max_overhead:
+        if len(self._recent) >= self.min_pairs and drift > self._limit + 1e-9:
             why = (f"steady steps: median {drift:+.1%} over the keep baseline "
-                   f"{baseline * 1e3:.1f} ms")
+                   f"{baseline * 1e3:.1f} ms, more than the {self._limit:.1%} blocks [0, {c}) "
+                   "may cost")
             if not self.can_keep(self._offloaded_bytes(c)):
                 self._recheck(step, f"{why}, and no memory is free for keep steps")
                 return None
@@ -384,13 +376,6 @@ class OverheadLoop:
     # ------------------------------------------------------------------ helpers
     def _offloaded_bytes(self, n: int) -> int:
         return sum(self._block_bytes[:n])
-
-    def _saved_fraction(self, n: int) -> float:
-        total = sum(self._block_bytes)
-        return self._offloaded_bytes(n) / total if total > 0 else 0.0
-
-    def _worth_it(self, saved: float, overhead: float) -> bool:
-        return overhead <= 0 or saved >= self.min_saving_per_overhead * overhead - 1e-9
 
     def _event(self, step: int | None, kind: str, tail_start: int, text: str) -> None:
         self.events.append(LoopEvent(step, kind, tail_start, text))
