@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run tba's main job or its tests (the README's two commands).
 #   bash .ci/dev.sh main [rok_curve.py args...]   # ROK benchmark: PNG + CSV + JSON under out/rok
-#   bash .ci/dev.sh test [pytest args...]         # the test suite
+#   bash .ci/dev.sh test [pytest args...]         # the everyday tests: every test not marked slow
+#   bash .ci/dev.sh test-slow [pytest args...]    # the tests marked slow (CI runs both: .ci/run)
 #   bash .ci/dev.sh types                         # the type checker (mypy; config in pyproject.toml)
 #   bash .ci/dev.sh load [pytest args...]         # the tests marked timing, under injected CPU load
 # Set-up is idempotent: a virtual environment in .venv with torch 2.13.0 (never upgraded),
-# tba installed editable with the extras the command needs (main: bench; test and types: test,
-# bench, release, typecheck and the optional packages the tests use).
+# tba installed editable with the extras the command needs (main: bench; test, test-slow and
+# types: test, bench, release, typecheck and the optional packages the tests use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}
 shift || true
-case "$what" in main|test|types|load) ;; *) echo "usage: bash .ci/dev.sh main|test|types|load [args...]" >&2; exit 2 ;; esac
+case "$what" in main|test|test-slow|types|load) ;; *) echo "usage: bash .ci/dev.sh main|test|test-slow|types|load [args...]" >&2; exit 2 ;; esac
 
+# Note [Byte code is written]: Python may write the byte code of what it imports (a shell with
+# PYTHONDONTWRITEBYTECODE=1 forbids it). torch is installed without byte code (--no-compile
+# below), so with it forbidden every Python process compiles torch's modules again: ~2.5 s of
+# CPU per process that imports torch, and the tests start well over a hundred (workers,
+# benchmark smoke runs, CLI checks). Written once, the byte code lands in .venv and in
+# __pycache__ folders that git ignores.
+unset PYTHONDONTWRITEBYTECODE
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -34,7 +42,8 @@ if [ "$what" = main ]; then
   rm -f "$constraints"  # exec skips the EXIT trap
   exec python benchmarks/rok_curve.py "$@"
 fi
-# types, test and load share one environment: mypy checks tba against the packages the tests use.
+# types and the tests (test, test-slow, load) share one environment: mypy checks tba against the
+# packages the tests use.
 pip install -q -c "$constraints" -e ".[test,bench,release,typecheck]"
 bash .ci/install_optional.sh "$constraints"
 rm -f "$constraints"
@@ -49,4 +58,10 @@ if [ "$what" = load ]; then
   mapfile -t files < <(grep -rlE --include='*.py' '^@pytest\.mark\.timing' tests | sort)
   exec python -m pytest -q -p no:cacheprovider -p tests.load -m timing "${files[@]}" "$@"
 fi
-exec python -m pytest -q -p no:cacheprovider "$@"
+# The everyday suite leaves out the tests marked slow (interrupt sweeps at every line, the wheel,
+# the type checker's strictness, ...); test-slow runs exactly those, so the two run every test
+# once. A -m of the caller's own comes later on the command line and wins.
+if [ "$what" = test-slow ]; then
+  exec python -m pytest -q -p no:cacheprovider -m slow "$@"
+fi
+exec python -m pytest -q -p no:cacheprovider -m "not slow" "$@"

@@ -4,7 +4,7 @@
 Command lines (from the repository root, venv active):
 
     # Default CPU sweep (GPT-2, 6 layers x 128 wide, seq 128; batches 1,2,4,8; 6 strategies x 3
-    # interleaved passes; the README gives its time):
+    # interleaved passes; docs/rok.md gives its time):
     python benchmarks/rok_curve.py
     # -> out/rok/rok_curve.{png,csv,json}, rok_summary.txt, rok_samples.csv, logs/sweep.log
 

@@ -1,4 +1,4 @@
-"""Every environment variable tba reads, in one place (see the README's table).
+"""Every environment variable tba reads, in one place (docs/options.md lists them).
 
 Variables are read when a value is needed, never at import.
 """

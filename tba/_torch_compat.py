@@ -6,6 +6,8 @@ of these, this module is the only place to mend.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -15,7 +17,8 @@ import torch.autograd.profiler as _autograd_profiler
 __all__ = [
     "in_backward", "local_tensor", "storage_bytes", "view_on_storage", "release_alias",
     "is_functorch_wrapped", "in_functorch_transform", "profiler_enabled", "is_compiling",
-    "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "capturing", "STAMP_ATTR",
+    "call_outside_compile", "note_traced_hook", "keep_dynamo_out", "tracing_for_tba", "running_for_tba", "is_tba_backend",
+    "TBA_BACKEND_ATTR", "capturing", "STAMP_ATTR",
     "FAMILY_ATTR", "graph_task_id", "queue_end_of_backward", "top_saved_tensors_hooks",
     "wrap_saved_tensor_register_hooks", "unwrap_saved_tensor_register_hooks",
 ]
@@ -117,11 +120,13 @@ def profiler_enabled() -> bool:
 FULLGRAPH_MESSAGE = (
     "tba: torch.compile(..., fullgraph=True) cannot trace tba's module hooks, which must run "
     "outside the compiled graphs at each block boundary (pytorch#148222: a compiled graph's "
-    "saved tensors are packed only when it returns). Compile each block instead and configure "
-    "tba afterwards, so tba's hooks sit on the compiled wrappers and run outside them: "
-    "'for i, block in enumerate(model.blocks): model.blocks[i] = torch.compile(block, "
-    "fullgraph=True)', then 'tba.configure_tensor_cache(model, ...)' (docs/integrations.md, "
-    "torch.compile); or compile without fullgraph=True (tba then breaks the graph at each block)"
+    "saved tensors are packed only when it returns). Compile with tba's backend, which "
+    "offloads inside the compiled graph: 'torch.compile(model, backend=\"tba\", "
+    "fullgraph=True)'; or compile each block and configure tba afterwards, so tba's hooks sit "
+    "on the compiled wrappers and run outside them: 'for i, block in "
+    "enumerate(model.blocks): model.blocks[i] = torch.compile(block, fullgraph=True)', then "
+    "'tba.configure_tensor_cache(model, ...)' (docs/integrations.md, torch.compile); or "
+    "compile without fullgraph=True (tba then breaks the graph at each block)"
 )
 
 
@@ -172,6 +177,66 @@ def note_traced_hook() -> None:
     from torch._dynamo.comptime import comptime  # loaded: Dynamo is tracing
 
     comptime(_at_trace_time)
+
+
+#: Set on tba's torch.compile backend (tba.compile.backend); ``tracing_for_tba`` looks for it.
+TBA_BACKEND_ATTR = "_tba_backend"
+
+
+def tracing_for_tba() -> bool:
+    """Called only while Dynamo traces (``is_compiling()``): whether the graph being traced
+    goes to tba's backend (``torch.compile(..., backend="tba")``), which does the work of
+    tba's module hooks with ops inside the graph (tba/compile). Dynamo calls this at trace
+    time and uses its answer as a constant (the ``_dynamo_marked_constant`` marker that
+    ``torch._dynamo.assume_constant_result`` sets); the compiled code is tied to its backend
+    (Dynamo's backend-match guard), so the answer cannot go stale. Walks the chain of wrappers
+    Dynamo and ``torch.compile`` put around the backend (checked against torch 2.13)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):  # pragma: no cover - another torch
+        return False
+    return is_tba_backend(getattr(getattr(tx, "output", None), "compiler_fn", None))
+
+
+setattr(tracing_for_tba, "_dynamo_marked_constant", True)
+
+
+_COMPILE_WRAPPER_FILE = os.path.join("_dynamo", "eval_frame.py")
+_COMPILE_WRAPPERS = ("compile_wrapper", "_fn")  # its name in torch 2.13, in older releases
+
+
+def running_for_tba() -> bool:
+    """Whether the caller (a module hook running eagerly) runs inside a call of a module
+    compiled with tba's backend. Dynamo does not trace ``torch.nn.Module._call_impl`` (a file
+    on its skip list), so the configured model's own forward hooks run eagerly around its
+    compiled forward, inside ``torch.compile``'s ``compile_wrapper``; under tba's backend the
+    graph does their work. The backend is found in that wrapper's frame (its ``callback``),
+    a few frames up (Dynamo's frame callback itself reads None inside a hook frame that
+    ``keep_dynamo_out`` marked). Checked against torch 2.13."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name in _COMPILE_WRAPPERS and code.co_filename.endswith(_COMPILE_WRAPPER_FILE):
+            return is_tba_backend(frame.f_locals.get("callback"))
+    return False
+
+
+def is_tba_backend(fn: object) -> bool:
+    """Whether ``fn`` is tba's backend or one of the wrappers Dynamo and ``torch.compile`` put
+    around a backend (checked against torch 2.13)."""
+    for _ in range(16):  # a handful of wrappers at most; never loop on a cycle
+        if fn is None:
+            return False
+        if getattr(fn, TBA_BACKEND_ATTR, False):
+            return True
+        fn = (getattr(fn, "_torchdynamo_orig_backend", None) or getattr(fn, "compiler_fn", None)
+              or getattr(fn, "__wrapped__", None) or getattr(fn, "func", None))
+    return False
 
 
 def keep_dynamo_out(*functions: Callable[..., object]) -> None:

@@ -54,7 +54,7 @@ class TensorCacheConfig:
             modules, their qualified names, or module types. ``None`` finds them: the
             children of the model's largest ``nn.ModuleList``.
         adaptive: decide from a profiled step which leading blocks to offload so transfers
-            hide behind compute (see the README). ``False`` offloads every block but the
+            hide behind compute (docs/policy.md). ``False`` offloads every block but the
             kept tail.
         profile_step: which completed step (1-based, after warm-up) is profiled when
             ``adaptive`` is on or a budget is set.

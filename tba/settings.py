@@ -1,7 +1,7 @@
 """tba's tuning constants, in one place, each with its unit and why it has its value.
 
-These are not configuration: what a user chooses is a `tba.CacheConfig` field (README,
-"Configuration"). These are the values tba's own code is tuned with; docs/settings.md lists
+These are not configuration: what a user chooses is a `tba.TensorCacheConfig` field
+(docs/options.md). These are the values tba's own code is tuned with; docs/settings.md lists
 them in a table. Change one here, never a copy of it elsewhere (each module imports what it
 uses from this module; tests/test_settings.py checks that the page lists every one).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
@@ -14,6 +15,16 @@ from tba import _env
 # inherit the environment) checks its bookkeeping after each completed step and raises
 # TBAError in the training step on a violation.
 os.environ.setdefault("TBA_CHECK_INVARIANTS", "1")
+
+# Note [One intra-op thread in the suite]: torch's CPU kernels default to one OpenMP thread per
+# core, and tba's store and load workers run beside them, so on the 2-core machines the suite runs
+# on, a training step had more runnable threads than cores, and OpenMP's threads spin while they
+# wait for each other. tests/cache/test_transformers.py and test_closed_loop.py took 49.6 s of CPU
+# (100 s wall, load average 9) with two threads and 5.2 s (10 s wall) with one. The tests compare
+# tba with plain PyTorch in the same process, so both run with the same thread count; tba's code
+# does not depend on it. Child processes (benchmark smoke runs, workers) keep torch's default.
+# OMP_NUM_THREADS, when set, wins (a run with more threads: OMP_NUM_THREADS=2 pytest ...).
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 # Note [Suites started in the background]: a shell without job control starts a background
 # command (`pytest ... &`) with SIGINT ignored, and its children inherit that. tba leaves an
@@ -49,6 +60,19 @@ def require_cuda() -> None:
         if _env.require_gpu():
             pytest.fail("TBA_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
         pytest.skip("needs a CUDA device")
+
+
+# Note [The suite's imports are frozen]: collecting the suite imports torch, transformers, the
+# pipeline engines and every test module: some 380k objects that live as long as the session.
+# Every full collection of the garbage collector walks all of them (~0.2 s each on 2 cores), and
+# the suite's tests, building models and graphs, trigger hundreds: later tests paid for the
+# imports of all earlier ones. Frozen after collection (gc.freeze: moved to the permanent
+# generation) they are never walked again; the suite's garbage collection CPU time halved
+# (docs/building.md). Collected first, so no garbage is frozen: nothing a test leaves is frozen,
+# and tests that need a collection still get it.
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -56,9 +56,9 @@ def t5_batch(seed: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def vector_batch(seed: int, features: int = 16) -> torch.Tensor:
+def vector_batch(seed: int, features: int = 16, rows: int = BATCH * 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(BATCH * 2, features, generator=g)
+    return torch.randn(rows, features, generator=g)
 
 
 class MLPBlock(nn.Module):
@@ -86,3 +86,29 @@ class Stack(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h).pow(2).mean()
+
+
+class FusedAttention(nn.Module):
+    """Attention from one fused qkv projection, then MLP blocks: compiled, AOTAutograd's
+    partitioner saves q, k^T and v, three views of one storage (plus views of other
+    activations), for tba's compiled path to store once."""
+
+    def __init__(self, width: int = 32, num_blocks: int = 3, features: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.blocks = nn.ModuleList(MLPBlock(width) for _ in range(num_blocks))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        h = h + (q @ k.transpose(-2, -1)).softmax(-1) @ v
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h).pow(2).mean()
+
+
+def sequence_batch(seed: int, features: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, SEQ, features, generator=g)

@@ -31,6 +31,7 @@ from torch import nn
 
 from tba import _env
 from tba.cache.capture import hook_stack
+from tba.cache.capture.compiled import CompiledForwards
 from tba.cache.capture.hooks import CacheHooks
 from tba.cache.capture.run_order import RunOrder
 from tba.cache.capture.saving import SavedTensors
@@ -164,6 +165,7 @@ class TensorCache:
         self._check = _env.check_invariants()
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
+        self._compiled: CompiledForwards | None = None
         hook_stack.attach()  # undone by _shutdown
         self._finalizer = weakref.finalize(self, _shutdown, engine, tracker, self._saved, offloader)
         hooks = CacheHooks(self, model, config, self.units, engine, tracker, self._saved,
@@ -256,6 +258,14 @@ class TensorCache:
         with self._engine.lock:
             self._tracker.set_stage(hint)
         self._raise_pending()
+
+    def _compiled_forwards(self) -> CompiledForwards:
+        """The cache's side of graphs compiled with ``backend="tba"`` (for tba.compile; Note
+        [The cache under compiled graphs] in tba/cache/capture/compiled.py)."""
+        if self._compiled is None:
+            self._compiled = CompiledForwards(self._hooks, self._model, self._saved, self.config,
+                                              self.units)
+        return self._compiled
 
     def add_close_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the cache is closed (``configure_tensor_cache`` unregisters

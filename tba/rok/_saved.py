@@ -104,6 +104,9 @@ class SavedActivationMeter:
             if entered:
                 entered.pop().__exit__(None, None, None)
 
+        # Under torch.compile the model's own hooks run eagerly around its compiled forward,
+        # and Dynamo would compile their frames: keep it out of them (as of tba's own hooks).
+        compat.keep_dynamo_out(pre, post)
         # Registered after any cache's hooks, so the meter's saved-tensor hooks stand above
         # the cache's in every forward (pushed after them, popped before them).
         handles = [self._model.register_forward_pre_hook(pre),
@@ -118,6 +121,12 @@ class SavedActivationMeter:
             with self._lock:
                 self._current = -1
                 self._live.clear()
+
+    def observe(self, tensor: torch.Tensor, kind: str) -> None:
+        """Count ``tensor`` (saved, recomputed or reloaded: ``KINDS``) while measuring, as
+        the meter's own hooks would; for saves that reach no saved-tensor hook (the stores and
+        reloads inside a graph compiled with ``backend="tba"``: ``tba.compile.watch``)."""
+        self._track(tensor, kind)
 
     def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager[Any], ...]:
         """``context_fn`` for ``torch.utils.checkpoint.checkpoint``: while measuring, counts what
@@ -154,6 +163,7 @@ class SavedActivationMeter:
                 if isinstance(tensor, torch.Tensor):
                     track(tensor, "reloaded")  # a storage seen before is not counted again
                 return tensor
+        compat.keep_dynamo_out(pack, unpack, self._track, self._freed)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
 

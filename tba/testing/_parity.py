@@ -49,6 +49,8 @@ def check_parity(
     sanitize: bool | None = None,
     seed: int = 0,
     store_timeout_s: float = 60.0,
+    compile: str | None = None,
+    compile_options: dict[str, Any] | None = None,
     **cache_options: Any,
 ) -> ParityReport:
     """Check that tba trains ``model`` bit-identically to plain PyTorch, on your own model.
@@ -94,6 +96,14 @@ def check_parity(
             Default: with ``chaos`` on a CUDA model.
         seed: the random generators are seeded with ``seed + step``.
         store_timeout_s: the longest wait for the twin's stores after each forward.
+        compile: ``"tba"``: check a compiled model: the twin runs
+            ``torch.compile(twin, backend="tba", options=compile_options)`` (tba's offload
+            inside the compiled graph), the reference the same model compiled by the inner
+            compiler alone (``backend="inductor"``, or ``compile_options["inner"]``). A model
+            already compiled with ``backend="tba"`` (``torch.compile(model, backend="tba")``)
+            is checked so without it. None: eager.
+        compile_options: ``options`` of the twin's ``torch.compile`` (``{"inner":
+            "aot_eager"}`` compiles without Inductor).
         **cache_options: options of :func:`tba.configure_tensor_cache` for the twin (for
             example ``offloader="ssd"``, ``ssd_dirs=...``, ``offload_devices=("cpu",)``).
 
@@ -117,6 +127,7 @@ def check_parity(
         True
     """
     batches = list(batches)
+    model, compile = _uncompiled(model, compile)
     devices = _device_types(model)
     options = _resolve_options(cache_options, force, devices, chaos_max_delay_s, store_timeout_s)
     config = tba.TensorCacheConfig(**options)
@@ -151,13 +162,14 @@ def check_parity(
     def settle() -> None:
         cache.wait_for_stores(store_timeout_s)
 
+    runners = _compiled(model, twin, compile, compile_options)
     outcome = _Outcome()
     with rng_restored():
         try:
             for step, batch in enumerate(batches):
                 outcome.steps = step + 1
-                reference = _Run(model, optimizers[0], clone_tensors(batch))
-                with_tba = _Run(twin, optimizers[1], batch)
+                reference = _Run(runners[0], optimizers[0], clone_tensors(batch))
+                with_tba = _Run(runners[1], optimizers[1], batch)
                 reference.backward(loss_of, seed + step, None)
                 if not outcome.run_twin(lambda: with_tba.backward(loss_of, seed + step, settle), step, sanitize):
                     break
@@ -307,6 +319,40 @@ def _resolve_options(
     if problems:
         raise ValueError("invalid tba.testing.check_parity options:\n" + "\n".join(f"  - {p}" for p in problems))
     return resolved
+
+
+def _uncompiled(model: nn.Module, compile: str | None) -> tuple[nn.Module, str | None]:
+    """The module to copy and configure, and how to compile it: a module compiled with
+    ``backend="tba"`` is checked as ``compile="tba"``."""
+    from tba import _torch_compat as compat
+
+    if compile not in (None, "tba"):
+        raise ValueError(f"tba.testing.check_parity: compile={compile!r}: expected \"tba\" or None")
+    original = getattr(model, "_orig_mod", None)
+    if not isinstance(original, nn.Module):
+        return model, compile
+    callback = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    if not compat.is_tba_backend(callback):
+        raise ValueError(
+            "tba.testing.check_parity: the model was compiled with another backend than "
+            "\"tba\"; pass the module itself (with compile=\"tba\" to check tba's backend)"
+        )
+    return original, "tba"
+
+
+def _compiled(model: nn.Module, twin: nn.Module, compile: str | None,
+              options: dict[str, Any] | None) -> tuple[nn.Module, nn.Module]:
+    """What each step calls: the models themselves, or compiled (the reference by the inner
+    compiler alone, the twin by tba's backend)."""
+    if compile is None:
+        return model, twin
+    import tba.compile  # noqa: F401  (registers the backend without the installed entry point)
+
+    options = dict(options or {})
+    inner = options.get("inner", "inductor")
+    # torch.compile of a module returns the module compiled (its stub says a callable).
+    return (torch.compile(model, backend=inner),  # type: ignore[return-value]
+            torch.compile(twin, backend=tba.compile.backend, options=options))
 
 
 def _device_types(model: nn.Module) -> set[str]:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,6 +32,10 @@ def test_adaptive_offload_smoke(tmp_path: Path) -> None:
     assert "adaptive:" in proc.stdout
 
 
+# The table and --long sweep strategies, thread counts and noise kinds (busy processes on every
+# core), 7-10 s of CPU each: run by `bash .ci/dev.sh test-slow`; the everyday tests keep the
+# benchmark's smoke test above.
+@pytest.mark.slow
 def test_adaptive_table_smoke(tmp_path: Path) -> None:
     """``--table`` runs every strategy interleaved at each thread count and saves ratios' inputs."""
     out = tmp_path / "table.json"
@@ -60,6 +66,7 @@ def test_adaptive_table_smoke(tmp_path: Path) -> None:
     assert "x keep" in proc.stdout and "1 torch thread(s)" in proc.stdout
 
 
+@pytest.mark.slow
 def test_adaptive_long_smoke(tmp_path: Path) -> None:
     """``--long`` steps plain and tba twins alternately, with and without injected noise, and
     writes the summary, per-window CSV, timeline PNG and JSON; losses stay bit-identical."""

@@ -48,6 +48,9 @@ def rows_of(out: Path) -> list[dict]:
     return json.loads((out / "verdict.json").read_text())["rows"]
 
 
+# Every stage of the suite, each in its own processes (15 s of CPU on 2 cores): a sweep, run by
+# `bash .ci/dev.sh test-slow`; the everyday tests keep the verdict's and the venv's checks.
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the suite is the GPU run itself")
 def test_suite_on_cpu_passes_with_gpu_rows_skipped(tmp_path: Path) -> None:
     out = tmp_path / "suite"

@@ -151,6 +151,7 @@ def test_whole_model_compile_breaks_only_at_tba_units_and_says_so_once() -> None
     notes = [str(w.message) for w in caught if "runs under torch.compile" in str(w.message)]
     assert len(notes) == 1, notes
     assert "pytorch#148222" in notes[0] and "torch.compile(block)" in notes[0]
+    assert 'backend="tba"' in notes[0]
 
 
 def test_whole_model_fullgraph_fails_at_first_forward_with_the_recipe() -> None:
@@ -163,4 +164,4 @@ def test_whole_model_fullgraph_fails_at_first_forward_with_the_recipe() -> None:
     message = str(info.value)
     assert message.startswith("tba: torch.compile(..., fullgraph=True)")
     assert "torch.compile(block, fullgraph=True)" in message and "configure_tensor_cache" in message
-    assert "docs/integrations.md" in message
+    assert "docs/integrations.md" in message and 'backend="tba"' in message

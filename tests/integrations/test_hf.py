@@ -30,7 +30,8 @@ class _Batches(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _train(tmp_path, callbacks: list, make_model=models.gpt2) -> tuple[torch.nn.Module, list, list]:
+def _train(tmp_path, callbacks: list, make_model=models.gpt2,
+           **training_args) -> tuple[torch.nn.Module, list, list]:
     """Three AdamW steps of a tiny GPT-2 (dropout on) through Trainer; the model, every
     step's gradients (read before the optimizer step) and the log history."""
     from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
@@ -46,7 +47,7 @@ def _train(tmp_path, callbacks: list, make_model=models.gpt2) -> tuple[torch.nn.
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=NUM_STEPS, per_device_train_batch_size=models.BATCH,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3,
+        disable_tqdm=True, dataloader_num_workers=0, learning_rate=1e-3, **training_args,
     )
     trainer = Trainer(
         model=model, args=args, train_dataset=_Batches(), callbacks=[*callbacks, RecordGrads()]
@@ -145,6 +146,48 @@ def test_peft_lora_through_trainer_is_bit_exact(tmp_path):
     for (name, a), b in zip(reference.named_parameters(), model.parameters()):
         assert torch.equal(a, b), f"parameter {name} differs after training"
     # Every step's stores completed before its backward: bytes went out and came back.
+    step_logs = [e for e in logs if "loss" in e]
+    assert len(step_logs) == NUM_STEPS, logs
+    assert all(e["tba/offloaded_bytes"] > 0 and e["tba/reloaded_bytes"] > 0 for e in step_logs), logs
+
+
+@pytest.mark.slow
+def test_trainer_with_a_model_compiled_with_backend_tba_is_bit_exact(tmp_path):
+    """A model compiled with ``torch.compile(model, backend="tba")`` handed to the Trainer
+    with the callback (which configures the model inside the compiled wrapper): equal to the
+    same Trainer run with the model compiled by ``backend="inductor"``, bytes offloaded.
+    (``TrainingArguments(torch_compile_backend="tba")`` stops in accelerate 1.15, whose
+    ``DynamoBackend`` lists the backends it knows: docs/integrations.md.) Both run with
+    deterministic algorithms: Inductor's CPU embedding gradient adds with atomics otherwise
+    (``tests/compile/training.py``, ``deterministic``)."""
+    import torch._dynamo
+
+    from tba.integrations.hf import TensorCacheCallback
+    from tests.compile.training import deterministic
+
+    def compiled(backend: str):
+        def make() -> torch.nn.Module:
+            model = models.gpt2()
+            model.loss_type = "ForCausalLM"  # transformers' warning would break the graph
+            return torch.compile(model, backend=backend)
+        return make
+
+    torch._dynamo.reset()
+    # The compiled wrapper's forward takes (*args, **kwargs): keep the dataset's columns.
+    with deterministic():
+        _, ref_grads, ref_logs = _train(tmp_path / "ref", [], make_model=compiled("inductor"),
+                                        remove_unused_columns=False)
+        torch._dynamo.reset()
+        callback = TensorCacheCallback(**OPTIONS)
+        _, grads, logs = _train(tmp_path / "tba", [callback, _settle_stores(callback)],
+                                make_model=compiled("tba"), remove_unused_columns=False)
+    torch._dynamo.reset()
+    assert len(grads) == len(ref_grads) == NUM_STEPS
+    for step, (want, have) in enumerate(zip(ref_grads, grads)):
+        assert want.keys() == have.keys()
+        for name in want:
+            assert torch.equal(want[name], have[name]), f"step {step}: grad of {name} differs"
+    assert [e["loss"] for e in logs if "loss" in e] == [e["loss"] for e in ref_logs if "loss" in e]
     step_logs = [e for e in logs if "loss" in e]
     assert len(step_logs) == NUM_STEPS, logs
     assert all(e["tba/offloaded_bytes"] > 0 and e["tba/reloaded_bytes"] > 0 for e in step_logs), logs

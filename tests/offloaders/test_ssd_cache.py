@@ -42,7 +42,7 @@ def test_thirty_gpt2_steps_keep_disk_bounded(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=4, n_head=4))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 256, (8, 128))
+    ids = torch.randint(0, 256, (4, 64))
     peak_disk, step_bytes = 0, 0
     with tba.configure_tensor_cache(model, ssd_dirs=(str(tmp_path),), **OPTIONS) as cache:
         for step in range(30):

@@ -246,18 +246,6 @@ def test_the_report_is_frozen() -> None:
         report.ok = False  # type: ignore[misc]
 
 
-def test_the_readme_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    import re
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("### Check it on your own model"):]
-    code, printed = re.search(r"```python\n(.*?)```\n```\n(.*?)```", section, re.S).groups()
-    exec(compile(code, "README.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert out.splitlines()[:2] == printed.splitlines()[:2]
-    assert re.sub(r"[0-9.]+ MiB", "", out) == re.sub(r"[0-9.]+ MiB", "", printed)
-
-
 def test_docstring_examples_run() -> None:
     import doctest
 

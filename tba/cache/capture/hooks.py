@@ -27,7 +27,7 @@ from tba.cache.capture.run_order import RunOrder
 from tba.cache.capture.saving import SavedTensors
 from tba.cache.engine import Engine, interrupts
 from tba.cache.steps.forward_state import on_stack, torch_caller
-from tba.cache.steps.scopes import Unit, matches
+from tba.cache.steps.scopes import Scope, Unit, matches
 from tba.cache.steps.steps import Steps
 from tba.cache.steps.tracker import StepTracker
 from tba.config import TensorCacheConfig
@@ -125,8 +125,10 @@ class CacheHooks:
             f"{len(self.units)} units (blocks and the modules around them), and the hooks run "
             "outside the graphs. Those breaks are what lets tba offload during forward: a "
             "compiled graph's saved tensors are packed only when it returns (pytorch#148222). "
-            "For no breaks from tba, compile each block (torch.compile(block) or "
-            "block.compile()) instead of the whole model (docs/integrations.md, torch.compile). "
+            "For no breaks from tba, compile with tba's backend, which offloads inside the "
+            "compiled graph (torch.compile(model, backend=\"tba\")), or compile each block "
+            "(torch.compile(block) or block.compile()) instead of the whole model "
+            "(docs/integrations.md, torch.compile). "
             "(Shown once.)",
             UserWarning,
             stacklevel=1,
@@ -144,11 +146,15 @@ class CacheHooks:
 
     # ------------------------------------------------------------------ module hooks
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        # Under backend="tba" the model's own hooks run eagerly around its compiled forward:
+        # they open its record and enter no saved-tensor hooks; the graphs' store ops save
+        # into it (Note [The cache under compiled graphs] in tba/cache/capture/compiled.py).
+        compiled = compat.running_for_tba()
         if not torch.is_grad_enabled() or compat.in_backward():
             if self.on_forward_skipped is not None:
                 self.on_forward_skipped(compat.in_backward())
             return
-        if compat.in_functorch_transform():
+        if not compiled and compat.in_functorch_transform():
             self.saved._functorch_note()
             return  # torch.func refuses saved-tensor hooks: autograd keeps everything
         engine, tracker = self.engine, self.tracker
@@ -162,7 +168,11 @@ class CacheHooks:
             if state.depth and not on_stack(state.caller_id, caller):
                 tracker.abandon_forward(state)  # Note [Interrupted forwards]
             if not state.depth:
-                self._begin_forward(module, (args, kwargs), caller)
+                if compiled:
+                    self.open_forward(module, (args, kwargs))
+                    state.compiled, state.caller_id = True, id(caller)
+                else:
+                    self._begin_forward(module, (args, kwargs), caller)
             state.depth += 1
         if interrupts.pending:
             interrupts.raise_pending()
@@ -170,18 +180,8 @@ class CacheHooks:
     def _begin_forward(self, model: nn.Module, inputs: Any, caller: FrameType | None) -> None:
         """This thread's outermost forward of the model begins (lock held); ``inputs`` are its
         positional and keyword arguments."""
-        state, saved, steps = self.tracker.local, self.saved, self.steps
-        # Note [Parameter storages, checked not rebuilt]
-        saved.param_ptrs = self.parameter_storages.current(model)
-        record, opened = self.tracker.begin_forward()
-        profile = steps.profile
-        steps.begin_forward(inputs, opened)
-        # Note [Closed loop]: a keep step offloads nothing. Read after the steps have begun
-        # this forward: a profile due now (new input shapes) sets the boundary back.
-        record.in_tail = self.tracker.boundary.keep_all
-        if steps.profile is not profile and steps.profile is not None:
-            self.run_order.start()  # Note [Blocks in run order]: observed again with each profile
-        saved.profile = steps.profile
+        state, saved = self.tracker.local, self.saved
+        self.open_forward(model, inputs)
         pack: Callable[[torch.Tensor], Any]  # returns what the unpack hook takes (arbitrary)
         if compat.capturing():  # once per forward: a capture does not start inside one
             pack = saved.captured  # Note [CUDA-graph capture]
@@ -193,9 +193,26 @@ class CacheHooks:
         ctx.__enter__()
         state.ctx, state.caller_id, state.epoch = ctx, id(caller), interrupts.interrupt_count
 
+    def open_forward(self, model: nn.Module, inputs: Any) -> None:
+        """A forward of ``model`` opens its record on this thread (lock held): the step, the
+        profile, the tail. The eager forward's saved-tensor hooks, or the store ops of a graph
+        compiled by ``backend="tba"`` (tba/cache/capture/compiled.py), then save into it."""
+        saved, steps = self.saved, self.steps
+        # Note [Parameter storages, checked not rebuilt]
+        saved.param_ptrs = self.parameter_storages.current(model)
+        record, opened = self.tracker.begin_forward()
+        profile = steps.profile
+        steps.begin_forward(inputs, opened)
+        # Note [Closed loop]: a keep step offloads nothing. Read after the steps have begun
+        # this forward: a profile due now (new input shapes) sets the boundary back.
+        record.in_tail = self.tracker.boundary.keep_all
+        if steps.profile is not profile and steps.profile is not None:
+            self.run_order.start()  # Note [Blocks in run order]: observed again with each profile
+        saved.profile = steps.profile
+
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self.tracker.local
-        if state.ctx is None or compat.in_backward():
+        if (state.ctx is None and not state.compiled) or compat.in_backward():
             return
         engine = self.engine
         # Note [Interrupted forwards]: torch runs this always_call hook with no output while
@@ -207,35 +224,48 @@ class CacheHooks:
                 self.tracker.abandon_forward(state)
             elif state.depth <= 0:
                 state.leave_hooks()
-                self.steps.end_forward()
-                if self.run_order.observing:
-                    self.run_order.finish(self.steps.profile)
-                self.tracker.end_forward(state)
-                if engine.released:
-                    engine._drain_locked()
+                self.close_forward()
         engine.flush()
         if interrupts.pending:
             interrupts.raise_pending()
+
+    def close_forward(self) -> None:
+        """This thread's forward of the model ends (lock held; ``open_forward``'s pair)."""
+        self.steps.end_forward()
+        if self.run_order.observing:
+            self.run_order.finish(self.steps.profile)
+        self.tracker.end_forward(self.tracker.local)
+        if self.engine.released:
+            self.engine._drain_locked()
 
     def _unit_pre(self, unit: Unit, module: nn.Module, args: Any) -> None:
         state = self.tracker.local
         if state.ctx is None or compat.in_backward():
             return
-        state.forward.enter(unit, self.tracker.boundary.tail_start)
+        self.enter_unit(unit)
+
+    def enter_unit(self, unit: Unit) -> None:
+        """``unit`` begins in this thread's open forward: what it saves goes to its scope."""
+        self.tracker.local.forward.enter(unit, self.tracker.boundary.tail_start)
         if self.run_order.observing:
             self.run_order.saw(unit)
         profile = self.steps.profile
         if profile is not None and unit.block_index is not None:
             profile.start(unit.block_index)
 
+    def exit_unit(self, unit: Unit) -> Scope | None:
+        """``unit`` ends (``enter_unit``'s pair); its scope, if it saved anything."""
+        scope = self.tracker.local.forward.exit()
+        profile = self.steps.profile
+        if profile is not None and unit.block_index is not None:
+            profile.end(unit.block_index)
+        return scope
+
     def _unit_post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         state = self.tracker.local
         if state.ctx is None or compat.in_backward():
             return
-        scope = state.forward.exit()
-        profile = self.steps.profile
-        if profile is not None and unit.block_index is not None:
-            profile.end(unit.block_index)
+        scope = self.exit_unit(unit)
         engine = self.engine
         if scope is not None and scope.record.offloads:  # Note [Prefetch hooks]
             with engine.lock:

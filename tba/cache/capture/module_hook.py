@@ -25,7 +25,9 @@ class ModuleHook:
     was never configured, and the original keeps its cache.
 
     Traced by Dynamo (its module runs inside compiled code), the hook breaks the graph and
-    runs outside it (Note [tba under torch.compile])."""
+    runs outside it (Note [tba under torch.compile]), except in a graph for tba's own backend,
+    whose ops do the hook's work inside the graph (Note [Offload inside the compiled graph] in
+    tba/compile/__init__.py): there it traces to nothing."""
 
     __slots__ = ("fn",)
 
@@ -34,6 +36,8 @@ class ModuleHook:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if compat.is_compiling():
+            if compat.tracing_for_tba():
+                return None
             compat.note_traced_hook()
             return compat.call_outside_compile(self.fn, *args, **kwargs)
         return self.fn(*args, **kwargs)

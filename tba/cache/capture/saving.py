@@ -26,6 +26,7 @@ from tba.errors import TBAError
 
 if TYPE_CHECKING:
     from tba.cache.policy.profile import StepProfile
+    from tba.cache.steps.scopes import Scope
 
 __all__ = ["SavedTensors"]
 
@@ -169,16 +170,27 @@ class SavedTensors:
             tensor, storage, root, scope, scope.record,
             self._offloading and not scope.keep and forward.skip_depth == 0,
         )
-        profile = self.profile
-        if profile is not None and scope.unit is not None:
+        if self.profile is not None:
             entry = handle.entry
-            block = scope.unit.block_index
-            # A new entry (Note [One object per new entry]) of a block, large enough to offload.
-            if block is not None and entry() is handle and entry.nbytes >= self._min_offload_bytes:
-                profile.add_bytes(block, entry.nbytes)
+            if entry() is handle:  # a new entry (Note [One object per new entry])
+                self.profile_bytes(scope, entry.nbytes)
         if interrupts.pending:
             interrupts.raise_pending()
         return handle
+
+    @property
+    def offloading(self) -> bool:
+        """Whether the cache has an offloader (a save may be offloaded)."""
+        return self._offloading
+
+    def profile_bytes(self, scope: Scope, nbytes: int) -> None:
+        """A new entry of ``nbytes`` in ``scope``: count it in the step profile, if one is
+        taken and the entry could be offloaded."""
+        profile = self.profile
+        if profile is not None and scope.unit is not None:
+            block = scope.unit.block_index
+            if block is not None and nbytes >= self._min_offload_bytes:
+                profile.add_bytes(block, nbytes)
 
     def is_parameter(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a parameter of any module, a view of one, or on the storage

@@ -232,15 +232,15 @@ class NoOffloadDiagnosis:
                 f"{sample.num_outer_passed} save(s) went to the script's own saved-tensor hooks "
                 f"(pack hook {name}), entered around the model's forward, whose pack returned "
                 "something tba does not manage (not a tensor on offload_devices): tba passes "
-                "those to the script's hooks as they are (README, What the cache guarantees)"
+                "those to the script's hooks as they are (docs/guarantees.md)"
             )
         if sample.num_passed and not sample.num_managed:
             out.append(
                 f"{sample.num_passed} saved tensor(s) on {config.offload_devices!r} are of kinds "
                 "tba leaves to autograd (no bytes of their own: meta, zero and empty tensors; "
                 "sparse, strided nested and quantized tensors; conjugate and negative views; "
-                "subclasses other than DTensor, jagged NestedTensor and float8; README, What "
-                "the cache guarantees)"
+                "subclasses other than DTensor, jagged NestedTensor and float8; "
+                "docs/guarantees.md)"
             )
         if sample.num_unmanaged:
             kinds = ", ".join(

@@ -59,13 +59,16 @@ class ThreadState(threading.local):
         self.depth = 0
         self.ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self.aside = False  # ``ctx`` is off the stack in a skipped module (Note [Stepping aside])
+        # The open forward runs a graph compiled with backend="tba" (no saved-tensor hooks:
+        # the graph's ops save; Note [The cache under compiled graphs]).
+        self.compiled = False
         self.forward = ForwardPass()
 
     def leave_hooks(self) -> None:
         """This thread's forward ends: take its saved-tensor hooks off the stack (not when
         they stepped aside: they are not on it)."""
         ctx, aside = self.ctx, self.aside
-        self.ctx, self.depth, self.aside = None, 0, False
+        self.ctx, self.depth, self.aside, self.compiled = None, 0, False, False
         if ctx is not None and not aside:
             ctx.__exit__(None, None, None)
 

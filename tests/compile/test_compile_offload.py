@@ -1,0 +1,110 @@
+"""``torch.compile(model, backend="tba", fullgraph=True)`` (Note [Offload inside the compiled
+graph] in tba/compile/__init__.py): losses and every gradient equal those of the same model
+compiled without tba, bytes really go out and come back, one graph, no break, and the
+saved-activation peak of the ROK sweep's measure falls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import models
+from tests.compile.training import assert_offloaded_in_one_graph, assert_same_training, train
+
+_REFERENCES: dict[tuple[str, str], Any] = {}
+
+
+def _reference(model: str, inner: str) -> Any:
+    """The model compiled by ``inner`` alone (once per module: every offloader compares
+    with it)."""
+    key = (model, inner)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train(model, inner, None)
+    return _REFERENCES[key]
+
+
+def _offloader(name: str, tmp_path: Path) -> dict[str, Any]:
+    options: dict[str, Any] = dict(offloader=name)
+    if name in ("ssd", "host+ssd"):
+        options.update(ssd_dirs=(str(tmp_path),), ssd_engine="posix")
+    if name == "host+ssd":
+        options.update(host_budget_bytes=16 << 10)  # some tensors in the pool, the rest on SSD
+    return options
+
+
+# The everyday suite runs the small model with aot_eager; Inductor and GPT-2 are slow.
+_MATRIX = [
+    pytest.param(inner, model, offloader, id=f"{inner}-{model}-{offloader}",
+                 marks=[pytest.mark.slow] if inner == "inductor" or model == "gpt2" else [])
+    for inner in ("aot_eager", "inductor") for model in ("fused_attention", "gpt2")
+    for offloader in ("host", "ssd", "host+ssd")
+]
+
+
+@pytest.mark.parametrize(("inner", "model", "offloader"), _MATRIX)
+def test_bit_exact_offloading_in_one_graph(inner: str, model: str, offloader: str, tmp_path: Path) -> None:
+    """Three Adam steps equal to ``backend=inner`` without tba, stores settled so bytes go out
+    and come back (host+ssd: through both tiers), one graph, no graph break."""
+    run = train(model, inner, _offloader(offloader, tmp_path))
+    assert_same_training(_reference(model, inner), run)
+    assert_offloaded_in_one_graph(run)
+    if offloader == "host+ssd":
+        assert set(run.stats.tiers) == {"host", "ssd"}, run.stats.tiers
+        assert all(t.stored_bytes > 0 for t in run.stats.tiers.values()), run.stats.tiers
+
+
+def test_aliases_are_stored_once() -> None:
+    """q, k^T and v view one storage: one store op, one entry, the other members deduplicated
+    against it (Note [What a compiled graph stores])."""
+    run = train("fused_attention", "aot_eager", dict(offloader="host", keep_last_modules=0))
+    (report,) = run.reports
+    assert report.num_members > report.num_groups, report
+    assert run.stats.num_deduplicated == 3 * (report.num_members - report.num_groups), run.stats
+
+
+def _peaks(inner: str) -> tuple[int, int]:
+    keep = train("gpt2", inner, None, steps=2, measure=True, batches=_long_batch)
+    run = train("gpt2", inner, dict(offloader="host", prefetch_modules=1, max_inflight_bytes=1),
+                steps=2, measure=True, batches=_long_batch)
+    assert_same_training(keep, run)
+    return keep.peak_bytes, run.peak_bytes
+
+
+def _long_batch(seed: int) -> dict:
+    return models.lm_batch(seed)
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_saved_activation_peak_at_most_half_of_compiled_keep(inner: str) -> None:
+    """The ROK sweep's measure (Note [One measure of activation memory] in tba/rok/_saved.py):
+    every storage saved for backward counted while it lives in training memory, the stores'
+    and reloads' included. Every block but the last offloaded; one store in flight at a time
+    (``max_inflight_bytes=1``) so the peak does not depend on how fast the store thread runs."""
+    keep, offload = _peaks(inner)
+    assert keep > 0 and offload <= 0.5 * keep, (offload, keep, offload / keep)
+
+
+def test_dynamic_shapes_and_recompiles_keep_offloading() -> None:
+    """A new batch size recompiles (then Dynamo marks the size dynamic): every graph is
+    rewritten, backward binds the dynamic sizes from the shape carriers (Note [Keys and shape
+    carriers]), results stay bit-exact."""
+    def batches(seed: int) -> torch.Tensor:
+        return models.sequence_batch(seed)[: 4 - seed % 3]
+
+    reference = train("fused_attention", "aot_eager", None, steps=4, batches=batches)
+    run = train("fused_attention", "aot_eager", dict(offloader="host"), steps=4, batches=batches)
+    assert_same_training(reference, run)
+    assert len(run.reports) == 2 and all(r.num_groups for r in run.reports), run.reports
+    assert run.stats.offloaded_bytes > 0 and run.stats.reloaded_bytes > 0
+    assert run.breaks == {}
+
+
+@pytest.mark.slow
+def test_dynamic_true_bit_exact() -> None:
+    reference = train("fused_attention", "aot_eager", None, dynamic=True)
+    run = train("fused_attention", "aot_eager", dict(offloader="host"), dynamic=True)
+    assert_same_training(reference, run)
+    assert run.stats.offloaded_bytes > 0 and run.stats.reloaded_bytes > 0
