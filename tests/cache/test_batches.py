@@ -193,17 +193,20 @@ def test_a_storage_freed_while_its_batch_waits_is_never_read() -> None:
     block = FreesInside()
     model = nn.Sequential(nn.Linear(16, 16), block)
     with tba.configure_tensor_cache(model, **_options(offloader)) as cache:
-        model(models.vector_batch(0)).sum().backward()  # the pool grows on a worker
-        cache.wait_for_stores(JOIN_S)
+        for seed in range(2):  # the pool grows (sized by what settled steps held)
+            loss = model(models.vector_batch(seed)).sum()
+            cache.wait_for_stores(JOIN_S)  # stores complete: none cancelled by backward
+            loss.backward()
+            cache.wait_for_stores(JOIN_S)
         block.free = True
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = model(models.vector_batch(1))
+            out = model(models.vector_batch(2))
             cache.wait_for_stores(JOIN_S)
             del out  # the graph dies without backward (h has no bytes left to differentiate)
         stats = cache.stats(cumulative=True)
         assert not probe(cache).check_invariants()
-        assert offloader.stores_now, "the second step stored nothing at once"
+        assert offloader.stores_now, "the third step stored nothing at once"
     assert stats.num_resized == 1
     assert sum("resized or freed" in str(w.message) for w in caught) == 1
     assert offloader.used_bytes == 0
