@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -47,6 +48,11 @@ from _environment import describe
 
 TBA_OPTIONS = dict(offload_devices=("cpu",), min_offload_bytes=0, keep_last_modules=0, adaptive=False)
 VARIANTS = ("no hooks", "bare hooks", "save_on_cpu", "python floor", "tba none", "tba host", "tba ssd")
+REAL_VARIANTS = ("plain", "save_on_cpu", "tba none", "tba host")
+# The main job's CPU model (tba/rok/_cli.py) and the options of the real model's tba variants.
+REAL_MODEL = dict(layers=6, hidden=128, heads=4, seq_len=128, vocab=1024)
+REAL_TBA = {"tba none": dict(offloader="none", offload_devices=("cpu",)),
+            "tba host": dict(offloader="host", offload_devices=("cpu",), adaptive=False)}
 
 
 class TinyOps(nn.Module):
@@ -190,22 +196,7 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
             model(x).backward()
 
         steps[f"tba {offloader}"] = with_tba
-    for _ in range(warmup):  # the tba caches' first steps: pools grown and sized
-        for step in steps.values():
-            step()
-    counts = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    walls: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(order)
-        for name in order:
-            start, wall = time.process_time(), time.perf_counter()
-            steps[name]()
-            times[name].append(time.process_time() - start)
-            walls[name].append(time.perf_counter() - wall)
-    after = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
+    times, walls, counts, after = interleaved(steps, caches, rounds, warmup)
     settled = {name: settled_step(steps[name], caches[name]) for name in ("tba host", "tba ssd")}
     for cache in caches.values():
         cache.close()
@@ -235,6 +226,102 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
     return out
 
 
+def interleaved(
+    steps: dict[str, Callable[[], None]], caches: dict[str, tba.TensorCache], rounds: int, warmup: int,
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any], dict[str, Any]]:
+    """Run ``warmup`` untimed steps of every variant (the tba caches' first steps: pools grown
+    and sized), then ``rounds`` rounds of one timed step each, in a shuffled order per round.
+    Returns the CPU and wall times per variant, in round order, and the caches'
+    cumulative stats before and after the timed rounds."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    counts = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    walls: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    rng = random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            start, wall = time.process_time(), time.perf_counter()
+            steps[name]()
+            times[name].append(time.process_time() - start)
+            walls[name].append(time.perf_counter() - wall)
+    after = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
+    return times, walls, counts, after
+
+
+def measure_real(batch: int, rounds: int, warmup: int) -> dict:
+    """Step times of the real model at ``batch``: medians, and median ratios paired by round."""
+    from tba.rok._worker import build_model
+
+    base = build_model(REAL_MODEL, "cpu", "float32")
+    ids = torch.randint(0, REAL_MODEL["vocab"], (batch, REAL_MODEL["seq_len"]),
+                        generator=torch.Generator().manual_seed(0))
+    steps: dict[str, Callable[[], None]] = {}
+    caches: dict[str, tba.TensorCache] = {}
+    for name in REAL_VARIANTS:
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        ctx: Callable[[], contextlib.AbstractContextManager] = (
+            torch.autograd.graph.save_on_cpu if name == "save_on_cpu" else contextlib.nullcontext)
+        if name in REAL_TBA:
+            caches[name] = tba.configure_tensor_cache(model, **REAL_TBA[name])
+
+        def step(model: nn.Module = model, optimizer: torch.optim.Optimizer = optimizer,
+                 ctx: Callable[[], contextlib.AbstractContextManager] = ctx) -> None:
+            with ctx():
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+        steps[name] = step
+    times, walls, counts, after = interleaved(steps, caches, rounds, warmup)
+    for cache in caches.values():
+        cache.close()
+
+    def paired(a: str, b: str, clock: dict[str, list[float]]) -> float:
+        return statistics.median(x / y for x, y in zip(clock[a], clock[b]))
+
+    out: dict[str, dict[str, float]] = {}
+    for name in steps:
+        out[name] = {
+            "step_s": statistics.median(times[name]), "step_wall_s": statistics.median(walls[name]),
+            "x_plain": paired(name, "plain", times), "x_plain_wall": paired(name, "plain", walls),
+            "x_save_on_cpu": paired(name, "save_on_cpu", times),
+            "x_save_on_cpu_wall": paired(name, "save_on_cpu", walls),
+        }
+    for name in caches:
+        num_steps = max(after[name].num_steps - counts[name].num_steps, 1)
+        out[name]["packed_per_step"] = (after[name].num_packed - counts[name].num_packed) / num_steps
+        out[name]["offloaded_bytes_per_step"] = (
+            after[name].offloaded_bytes - counts[name].offloaded_bytes) / num_steps
+    out["_counts"] = {"batch": batch, "rounds": rounds, "warmup_steps": warmup}
+    return out
+
+
+def report_real(rows: dict) -> list[str]:
+    counts = rows["_counts"]
+    m = REAL_MODEL
+    lines = [f"real model: GPT-2 {m['layers']} layers, hidden {m['hidden']}, seq {m['seq_len']}, "
+             f"batch {counts['batch']}, AdamW; {counts['rounds']} interleaved rounds after "
+             f"{counts['warmup_steps']} warm-up steps (median CPU time per step; median of the "
+             "ratios paired by round, CPU time [wall])"]
+    for name in REAL_VARIANTS:
+        row = rows[name]
+        extra = ""
+        if "packed_per_step" in row:
+            extra = (f"  [{row['packed_per_step']:.0f} saved, "
+                     f"{row['offloaded_bytes_per_step'] / 2**20:.1f} MiB offloaded per step]")
+        lines.append(f"  {name:<12} step {row['step_s'] * 1e3:8.2f} ms CPU "
+                     f"({row['step_wall_s'] * 1e3:8.2f} ms wall)  "
+                     f"{row['x_plain']:5.3f}x plain [{row['x_plain_wall']:5.3f}x]  "
+                     f"{row['x_save_on_cpu']:5.3f}x save_on_cpu [{row['x_save_on_cpu_wall']:5.3f}x]{extra}")
+    return lines
+
+
 def report(label: str, rows: dict) -> list[str]:
     counts = rows["_counts"]
     lines = [f"{label}: {counts['num_packed_per_step']} saved tensors per step, "
@@ -259,23 +346,43 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=15, help="interleaved timed rounds")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each cache first")
     p.add_argument("--large-ops", type=int, default=8, help="ops per block of the 1 MiB model")
+    p.add_argument("--real-batches", default="1,8",
+                   help="batch sizes of the real model, comma-separated ('' skips it)")
+    p.add_argument("--real-rounds", type=int, default=15, help="interleaved rounds of the real model")
+    p.add_argument("--real-warmup", type=int, default=3, help="untimed steps of each real variant")
+    p.add_argument("--no-tiny", action="store_true", help="only the real model")
     p.add_argument("--out", default="hook_overhead.json", help="JSON path; a .txt beside it")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     env = describe("cpu")
     header = " ".join(f"{k}={v}" for k, v in env.items())
     print(header, flush=True)
-    with tempfile.TemporaryDirectory(prefix="tba-hook-overhead-") as ssd_dir:
-        tiny = measure(args.blocks, args.ops, 8, args.rounds, args.warmup, ssd_dir)
-        large = measure(args.blocks, args.large_ops, (1 << 20) // 4, args.rounds, args.warmup, ssd_dir)
-    lines = report("tiny tensors (32 B)", tiny) + report("1 MiB tensors", large)
-    targets = {"tba none / save_on_cpu <=": 2.0, "tba host / save_on_cpu <= (tiny)": 6.0}
-    verdict = [
-        f"targets: tba none {tiny['tba none']['x_save_on_cpu']:.2f}x save_on_cpu (<= 2.0), "
-        f"tba host {tiny['tba host']['x_save_on_cpu']:.2f}x save_on_cpu (<= 6.0)",
-    ]
+    result: dict = {"environment": env}
+    lines: list[str] = []
+    verdict: list[str] = []
+    targets: dict[str, float] = {}
+    if not args.no_tiny:
+        with tempfile.TemporaryDirectory(prefix="tba-hook-overhead-") as ssd_dir:
+            tiny = measure(args.blocks, args.ops, 8, args.rounds, args.warmup, ssd_dir)
+            large = measure(args.blocks, args.large_ops, (1 << 20) // 4, args.rounds, args.warmup, ssd_dir)
+        lines += report("tiny tensors (32 B)", tiny) + report("1 MiB tensors", large)
+        targets.update({"tba none / save_on_cpu <=": 2.0, "tba host / save_on_cpu <= (tiny)": 6.0})
+        verdict.append(
+            f"targets: tba none {tiny['tba none']['x_save_on_cpu']:.2f}x save_on_cpu (<= 2.0), "
+            f"tba host {tiny['tba host']['x_save_on_cpu']:.2f}x save_on_cpu (<= 6.0)"
+        )
+        result.update(tiny=tiny, large_1MiB=large)
+    real: dict[str, dict] = {}
+    for batch in (int(b) for b in args.real_batches.split(",") if b.strip()):
+        real[str(batch)] = rows = measure_real(batch, args.real_rounds, args.real_warmup)
+        lines += report_real(rows)
+        verdict.append(f"target: real model, batch {batch}: tba none step "
+                       f"{rows['tba none']['x_save_on_cpu']:.3f}x save_on_cpu's (<= 1.03)")
+    if real:
+        targets["real model: tba none step / save_on_cpu step <="] = 1.03
+        result["real"] = real
+    result["targets"] = targets
     print("\n".join(lines + verdict))
-    result = {"environment": env, "tiny": tiny, "large_1MiB": large, "targets": targets}
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=2))
     out.with_suffix(".txt").write_text("\n".join([header, *lines, *verdict]) + "\n")

@@ -106,7 +106,7 @@ class CacheProbe:
                     state=entry.state.value if entry.state is not None else "new",
                     nbytes=entry.nbytes, offloaded=xfer is not None,
                     inline=bool(xfer is not None and xfer.inline),
-                    num_handles=len(entry.handles), unit=unit.name if unit is not None else None,
+                    num_handles=entry.num_handles, unit=unit.name if unit is not None else None,
                 ))
             return out
 

@@ -17,7 +17,8 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
     out = tmp_path / "ho.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "hook_overhead.py"), "--blocks", "2",
-         "--ops", "20", "--rounds", "2", "--warmup", "3", "--large-ops", "1", "--out", str(out)],
+         "--ops", "20", "--rounds", "2", "--warmup", "3", "--large-ops", "1", "--real-batches", "1", "--real-rounds", "1", "--real-warmup", "1",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=180, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -45,6 +46,11 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
             # and read back.
             assert row["settled_offloaded_bytes"] == row["settled_reloaded_bytes"] == packed * tensor_bytes, (
                 size, name, row)
+    real = result["real"]["1"]
+    for name in ("plain", "save_on_cpu", "tba none", "tba host"):
+        assert real[name]["step_s"] > 0 and real[name]["x_plain"] > 0
+    assert real["tba none"]["packed_per_step"] > 0  # tba manages the GPT-2's saves
+    assert "real model: GPT-2" in proc.stdout
     assert "torch" in result["environment"] and "command" in result["environment"]
     assert "x save_on_cpu" in proc.stdout and "x bare hooks" in proc.stdout
     assert out.with_suffix(".txt").read_text().startswith("device=")

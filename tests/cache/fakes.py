@@ -16,8 +16,8 @@ __all__ = ["FakeOffloader", "RecordingStreams", "bare_engine"]
 
 def bare_engine(offloader: Any, saved: torch.Tensor, **options: Any) -> tuple[Any, Any]:
     """A transfer engine alone (no cache, real stream layer) and a handle of ``saved`` saved
-    into it for offload (the handle holds its entry's one reference): for tests that drive the
-    engine's calls directly. Drop the handle and call ``engine.drain()`` to release it."""
+    into it for offload (the handle holds its entry's one reference), as at the end of the unit
+    that saved it: for tests that drive the engine's calls directly. Drop the handle and call ``engine.drain()`` to release it."""
     from tba.cache.engine import Engine
     from tba.cache.engine.streams import DeviceStreams
     from tba.cache.observe.trace import TraceRecorder
@@ -32,5 +32,6 @@ def bare_engine(offloader: Any, saved: torch.Tensor, **options: Any) -> tuple[An
     record = Record((-1, 0), keep_tail=True)
     scope = Scope(record, 0, None, keep=False)
     record.scopes.append(scope)
-    handle, _ = engine.save(saved, saved.untyped_storage(), saved, scope, record, True)
+    handle = engine.save(saved, saved.untyped_storage(), saved, scope, record, True)
+    engine.flush()  # the unit that saved it ends: its batch, if any, is stored
     return engine, handle

@@ -39,12 +39,15 @@ class LineCounter:
         self.signum = signum
         self.count = 0
         self.fired_at: str | None = None
+        self.functions: set[str] = set()  # "path:function" of tba's code that ran (relative)
 
     def _local(self, frame: Any, event: str, arg: Any) -> Callable | None:
         if self.fired_at is not None:
             return None  # the rest of the step runs untraced
         if event == "line":
             self.count += 1
+            code = frame.f_code
+            self.functions.add(f"{code.co_filename[len(TBA_DIR):]}:{code.co_name}")
             if self.count == self.fire_at:
                 code = frame.f_code
                 self.fired_at = f"{code.co_filename[len(TBA_DIR):]}:{frame.f_lineno} ({code.co_name})"

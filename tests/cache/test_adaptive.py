@@ -219,7 +219,8 @@ def test_summary_and_trace(tmp_path) -> None:
     assert count == len(events)
     stores = [e for e in events if e["name"] == "store"]
     loads = [e for e in events if e["name"] == "load"]
-    assert len(stores) == stats.num_offloaded
+    # Small CPU stores are made in batches (Note [Small transfers in batches]): one event each.
+    assert 0 < len(stores) <= stats.num_offloaded
     assert sum(e["args"]["bytes"] for e in stores) == stats.offloaded_bytes
     assert sum(e["args"]["bytes"] for e in loads) == stats.reloaded_bytes
     assert all(e.get("dur", 0) >= 0 and {"ts", "pid", "tid"} <= e.keys() for e in events)

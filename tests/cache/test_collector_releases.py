@@ -47,7 +47,7 @@ def _run_bounded(fn) -> None:
 def test_handles_collected_under_a_lock_are_released_later(
     monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    import tba.cache.engine.core as core
+    import tba.cache.engine.entries as entries
 
     model = models.Stack(num_blocks=3)
     reference = models.Stack(num_blocks=3)
@@ -74,7 +74,7 @@ def test_handles_collected_under_a_lock_are_released_later(
 
         monkeypatch.setattr(HostOffloader, "_take", take)
     else:  # the collector runs inside the engine's lock (a new entry is made)
-        real_entry = core.Entry
+        real_entry = entries.Entry
 
         class CollectingEntry(real_entry):  # type: ignore[misc, valid-type]
             __slots__ = ()
@@ -83,7 +83,7 @@ def test_handles_collected_under_a_lock_are_released_later(
                 collect_once()
                 super().__init__(*args, **kwargs)
 
-        monkeypatch.setattr(core, "Entry", CollectingEntry)
+        monkeypatch.setattr(entries, "Entry", CollectingEntry)  # what new_entry makes
 
     with tba.configure_tensor_cache(model, offloader="host", offload_devices=("cpu",),
                                     min_offload_bytes=0, adaptive=False) as cache:

@@ -199,11 +199,13 @@ class _Clock:
 
 
 def test_adaptive_keep_everything_names_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tba.cache.engine.batches as batches
     import tba.cache.engine.waits as waits
     import tba.cache.engine.workers as workers
 
     clock = _Clock()
-    monkeypatch.setattr(workers, "time", clock)  # the workers time the stores, inline ones too
+    monkeypatch.setattr(workers, "time", clock)  # the workers time the stores ...
+    monkeypatch.setattr(batches, "time", clock)  # ... the training thread its batched ones ...
     monkeypatch.setattr(waits, "time", clock)  # ... and the engine its waits
     model = models.Stack()
     with caught() as messages:
@@ -226,6 +228,7 @@ def test_keep_everything_decision_gives_offloader_memory_back(monkeypatch: pytes
     # Note [A keep-everything decision holds no offloader memory] (tba/cache/steps/steps.py):
     # once the policy keeps every block, the offloader gets reserve(0) once and its pool holds
     # nothing; a policy that offloads never gets it.
+    import tba.cache.engine.batches as batches
     import tba.cache.engine.waits as waits
     import tba.cache.engine.workers as workers
     from tba.offloaders import HostOffloader
@@ -246,6 +249,7 @@ def test_keep_everything_decision_gives_offloader_memory_back(monkeypatch: pytes
             if slow:  # every store seems to take 1000 s: the rule keeps every block
                 clock = _Clock()
                 patch.setattr(workers, "time", clock)
+                patch.setattr(batches, "time", clock)
                 patch.setattr(waits, "time", clock)
             with caught():
                 with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cpu",),

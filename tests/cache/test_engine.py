@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -210,6 +211,37 @@ def test_kept_scopes_use_no_look_ahead() -> None:
     assert stats.num_sync_loads == 0, f"{stats.num_sync_loads} loads were not prefetched"
 
 
+@pytest.mark.timing
+@pytest.mark.parametrize("offloading", ["none", "too small to offload", "offloads"])
+def test_prefetch_hooks_only_where_something_is_offloaded(offloading: str) -> None:
+    """Note [Prefetch hooks]: a forward that marked nothing for offload registers no grad_fn
+    pre-hook, and its step still ends with its backward, with every entry dropped."""
+    model = models.Stack(num_blocks=3)
+    options = {"min_offload_bytes": 1 << 30} if offloading == "too small to offload" else {}
+    if offloading == "none":
+        cache = tba.configure_tensor_cache(model, offloader="none", offload_devices=("cpu",),
+                                           min_offload_bytes=0, adaptive=False)
+    else:
+        cache = make_cache(model, FakeOffloader(), **options)
+    view = probe(cache)
+    try:
+        for step in range(2):
+            loss = model(models.vector_batch(step))
+            hooks = view.num_grad_fn_hooks
+            if offloading == "offloads":
+                cache.wait_for_stores(JOIN_S)  # a busy machine must not cancel every store
+            loss.backward()
+            assert not view.step_open and view.num_entries == 0
+            assert cache.stats().num_packed > 0
+            if offloading == "offloads":
+                assert hooks > 0 and cache.stats().num_offloaded > 0
+            else:
+                assert hooks == 0 and cache.stats().num_offloaded == 0
+        assert cache.stats(cumulative=True).num_steps == 2
+    finally:
+        cache.close()
+
+
 def test_close_removes_the_hooks_of_live_graphs() -> None:
     """A graph built with the cache and still alive at close() must not keep the cache (its
     grad_fn pre-hooks are removed) and fails its backward with a TBAError that says why."""
@@ -282,6 +314,96 @@ def test_fetch_of_a_running_store_keeps_the_bytes_without_prefetch() -> None:
         engine.drain()
         engine.close()
     assert engine.resident_bytes == 0 and not engine.check()
+
+
+class GatedLoads(FakeOffloader):
+    """Each load blocks until ``load_gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load_gate = threading.Event()
+
+    def load(self, token, dst):
+        assert self.load_gate.wait(JOIN_S), "test load gate never opened"
+        super().load(token, dst)
+
+
+@pytest.mark.timing
+def test_a_reserve_asked_while_loads_are_queued_runs_when_they_are_done() -> None:
+    """The store worker waits while loads are queued, a reserve included: when the load queue
+    empties it must wake for the reserve even with no store queued, or ``wait_for_stores``
+    waits for that reserve forever (seen as "0 bytes of stores still in flight")."""
+    offloader = GatedLoads()
+    first = torch.arange(1024, dtype=torch.float32)
+    second = torch.arange(1024, dtype=torch.float32) * 2
+    engine, handle = bare_engine(offloader, first)  # one load worker
+    scope = handle.scope
+    other = engine.save(second, second.untyped_storage(), second, scope, scope.record, True)
+    entries = [handle.entry, other.entry]
+    try:
+        engine.flush()
+        engine.wait_for_stores(JOIN_S)
+        engine.prefetch(entries)  # the first load blocks on the gate, the second stays queued
+        engine.reserve_later(4096)
+        # The store worker wakes for the reserve, finds a load queued and waits again.
+        # (CPython's Condition keeps its waiters in ``_waiters``: the only way to see that.)
+        waiters = engine._store_ready._waiters
+        assert wait_until(lambda: len(waiters) > 0), "the store worker never waited"
+        offloader.load_gate.set()
+        engine.wait_for_stores(5.0)
+        assert offloader.reserved == [4096] and offloader.num_loads == 2
+    finally:
+        offloader.load_gate.set()
+        del handle, other, entries
+        engine.drain()
+        engine.close()
+    assert not engine.check()
+
+
+class GatedReserve(FakeOffloader):
+    """``reserve`` blocks until ``reserve_gate`` is set; ``reserve_started`` is set on entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reserve_gate = threading.Event()
+        self.reserve_started = threading.Event()
+
+    def reserve(self, num_bytes: int) -> None:
+        self.reserve_started.set()
+        assert self.reserve_gate.wait(JOIN_S), "test reserve gate never opened"
+        super().reserve(num_bytes)
+
+
+@pytest.mark.timing
+def test_wait_for_stores_waits_for_a_running_reserve() -> None:
+    """A reserve the store worker has taken and runs (the lock let go) still counts: the
+    offloader is sized when ``wait_for_stores`` returns (a test's next step relies on it)."""
+    offloader = GatedReserve()
+    saved = torch.arange(1024, dtype=torch.float32)
+    engine, handle = bare_engine(offloader, saved)
+    try:
+        engine.wait_for_stores(JOIN_S)
+        engine.reserve_later(4096)
+        assert offloader.reserve_started.wait(JOIN_S), "the reserve never started"
+        with pytest.raises(tba.TBAError, match="still in flight"):
+            engine.wait_for_stores(0.2)  # the gate is shut: the reserve cannot have finished
+        offloader.reserve_gate.set()
+        engine.wait_for_stores(JOIN_S)
+        assert offloader.reserved == [4096]
+    finally:
+        offloader.reserve_gate.set()
+        del handle
+        engine.drain()
+        engine.close()
+
+
+def wait_until(condition, timeout_s: float = JOIN_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def test_a_dead_worker_surfaces_in_every_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,6 +93,9 @@ def _sweep_with(offloader: str, tmp_path: Path, stride: int, signum: int,
     model.zero_grad()
     num_lines = counter.count
     assert num_lines > 1000, num_lines
+    if offloader == "host":  # Note [Small transfers in batches]: the sweep interrupts them too
+        batched = {f"cache/engine/batches.py:{name}" for name in ("store_batch", "_load_batched")}
+        assert batched <= counter.functions, sorted(counter.functions)
     interrupted = 0
     for k in range(1, num_lines + 1, stride):
         counter = LineCounter(fire_at=k, signum=signum)

@@ -208,8 +208,9 @@ class CompiledForwards:
                                         int(t.storage_offset())) for t in tensors]
         packed = []
         for view in views:
-            handle, entry = engine.save(view, storage, views[0], scope, scope.record, offload)
-            if entry is not None:
+            handle = engine.save(view, storage, views[0], scope, scope.record, offload)
+            entry = handle.entry
+            if entry() is handle:  # a new entry (Note [One object per new entry])
                 saved.profile_bytes(scope, entry.nbytes)
             packed.append(handle)
         if interrupts.pending:

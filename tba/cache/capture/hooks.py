@@ -10,7 +10,6 @@ skip depth (``ThreadState``); records, entries and transfers are shared.
 from __future__ import annotations
 
 import functools
-import itertools
 import sys
 import warnings
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from torch import nn
 from tba import _torch_compat as compat
 from tba.cache.capture.hook_stack import ChainedHooks, hooks_for_forward
 from tba.cache.capture.module_hook import ModuleHook
+from tba.cache.capture.parameters import ParameterStorages
 from tba.cache.capture.run_order import RunOrder
 from tba.cache.capture.saving import SavedTensors
 from tba.cache.engine import Engine, interrupts
@@ -68,6 +68,7 @@ class CacheHooks:
         self.steps = steps
         self.run_order = run_order
         self._handles: list[RemovableHandle] = []
+        self.parameter_storages = ParameterStorages()
         # While set, forwards enter this pack hook instead of ``saved.pack`` (a wrapper that
         # samples what is saved, Note [Loud when it does nothing]); told when a forward runs
         # without grad.
@@ -197,11 +198,8 @@ class CacheHooks:
         profile, the tail. The eager forward's saved-tensor hooks, or the store ops of a graph
         compiled by ``backend="tba"`` (tba/cache/capture/compiled.py), then save into it."""
         saved, steps = self.saved, self.steps
-        saved.param_ptrs = frozenset(
-            compat.local_tensor(t).untyped_storage().data_ptr()
-            for t in itertools.chain(model.parameters(), model.buffers())
-            if not compat.is_functorch_wrapped(t)  # torch.func.functional_call's stand-ins
-        )
+        # Note [Parameter storages, checked not rebuilt]
+        saved.param_ptrs = self.parameter_storages.current(model)
         record, opened = self.tracker.begin_forward()
         profile = steps.profile
         steps.begin_forward(inputs, opened)
@@ -269,7 +267,7 @@ class CacheHooks:
             return
         scope = self.exit_unit(unit)
         engine = self.engine
-        if scope is not None:
+        if scope is not None and scope.record.offloads:  # Note [Prefetch hooks]
             with engine.lock:
                 self.tracker.unit_exited(scope, output)
         engine.flush()

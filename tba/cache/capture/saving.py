@@ -166,12 +166,14 @@ class SavedTensors:
         scope = units[-1][1] if units else None
         if scope is None:
             scope = forward.scope()
-        handle, entry = engine.save(
+        handle = engine.save(
             tensor, storage, root, scope, scope.record,
             self._offloading and not scope.keep and forward.skip_depth == 0,
         )
-        if entry is not None:  # a new entry
-            self.profile_bytes(scope, entry.nbytes)
+        if self.profile is not None:
+            entry = handle.entry
+            if entry() is handle:  # a new entry (Note [One object per new entry])
+                self.profile_bytes(scope, entry.nbytes)
         if interrupts.pending:
             interrupts.raise_pending()
         return handle
@@ -315,15 +317,12 @@ class SavedTensors:
         if xfer is None:  # kept in memory since it was saved: no lock needed
             if engine.released:
                 engine.drain()
-            geometry = packed.geometry
-            if geometry is None:
-                tensor = alias  # the first saver: the tensor as it was saved
-            else:
-                dtype, size, stride, offset = geometry
-                tensor = compat.view_on_storage(entry.data, dtype, size, stride, offset)
+            view = packed.view
+            # The first saver's tensor is the entry's alias; a later saver's, its own alias.
+            tensor = alias if view is None else view
         else:
             storage, event = engine.fetch(entry)
-            geometry = packed.geometry
+            geometry = packed.view
             if geometry is None:
                 if not xfer.reloaded and entry.geometry is None:
                     tensor = alias  # the first saver, never offloaded: the tensor as saved
@@ -331,7 +330,10 @@ class SavedTensors:
                 else:
                     geometry = entry.remember_geometry()
             if storage is not None:
+                assert type(geometry) is tuple
                 dtype, size, stride, offset = geometry
+                if xfer.reloaded and xfer.data_offset:  # in its batch's buffer
+                    offset = offset + xfer.data_offset // dtype.itemsize
                 tensor = compat.view_on_storage(storage, dtype, size, stride, offset)
                 if xfer.reloaded and engine.streams.consume(event, tensor, xfer.event):
                     self.num_record_stream += 1
@@ -341,7 +343,11 @@ class SavedTensors:
 
     def _raise_modified(self, packed: Handle) -> NoReturn:
         entry = packed.entry
-        dtype, size, _, _ = packed.geometry or entry.remember_geometry()
+        view = packed.view
+        if isinstance(view, torch.Tensor):
+            dtype, size = view.dtype, view.size()
+        else:
+            dtype, size, _, _ = view or entry.remember_geometry()
         alias = entry.alias
         found = None if alias is None else alias._version
         unit = packed.scope.unit

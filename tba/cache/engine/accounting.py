@@ -82,7 +82,7 @@ class EngineAccounting:
                     )
                     break
             for entry in entries:
-                if not entry.handles and entry.state is not S.DROPPED:
+                if not entry.num_handles and entry.state is not S.DROPPED:
                     problems.append(f"a {entry.state} entry of {entry.nbytes} bytes has no handle left")
                     break
             return problems

@@ -26,8 +26,9 @@ import torch
 
 from tba.cache.engine import interrupts
 from tba.cache.engine.accounting import EngineAccounting
+from tba.cache.engine.batches import Batch, InlineBatches
 from tba.cache.engine.entries import (
-    Entry, Geometry, Handle, HandleRef, SavedRecord, SavedScope, Transfer,
+    Entry, Handle, HandleRef, SavedRecord, SavedScope, Transfer, new_entry,
 )
 from tba.cache.engine.states import DROP_KEPT_ROW, HOLDS_DATA, KEEP_ROW, ROWS, Event, State
 from tba.cache.engine.streams import StreamLayer
@@ -57,7 +58,7 @@ _LOAD_ENDS = frozenset((E.LOAD_DONE, E.LOAD_FAILED, E.ABANDON))
 _KEPT, _DROPPED = KEEP_ROW[0], DROP_KEPT_ROW[0]
 
 
-class Engine(EngineWaits, EngineAccounting, TransferWorkers):
+class Engine(EngineWaits, EngineAccounting, TransferWorkers, InlineBatches):
     """Entries of one cache: who saved what, where its bytes are, and the step's counters.
 
     Args:
@@ -102,11 +103,13 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         self._keep_on_error = on_io_error == "keep"
         self.timeout_s = timeout_s
         self.table = EntryTable()
-        # HandleRefs of dead handles: appended by their weakref callback, drained under the lock.
-        self.released: collections.deque[HandleRef] = collections.deque()
+        # References of dead handles (HandleRefs, and entries: Note [One object per new entry]):
+        # appended by their weakref callback, drained under the lock.
+        self.released: collections.deque[HandleRef | Entry] = collections.deque()
         self._queue_release = self.released.append
         self.on_records_dead: Callable[[list[SavedRecord]], None] = lambda records: None
         self._store_q: collections.deque[Entry] = collections.deque()
+        self._init_batches()
         self._load_q: collections.deque[Entry] = collections.deque()
         self._threads: list[threading.Thread] = []
         self.orphans: set[Entry] = set()  # dropped while a worker copies them
@@ -126,6 +129,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         # A reserve() the store worker makes when idle; None: none pending (0 is a request:
         # Note [A keep-everything decision holds no offloader memory] in tba/cache/steps/steps.py).
         self._reserve_bytes: int | None = None
+        self._num_reserving = 0  # reserves running on store workers (lock let go)
         self._progress = 0  # transfers finished: waits fail only when this stops moving
         self.step = CacheStats()
 
@@ -166,15 +170,16 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         scope: SavedScope,
         record: SavedRecord,
         offload: bool,
-    ) -> tuple[Handle, Entry | None]:
+    ) -> Handle:
         """A handle for ``tensor`` (a plain strided tensor on ``storage``, ``root`` the base of
-        its view family, saved into ``scope`` of ``record``): an existing entry of the same
-        storage, family and version, or a new one, offloaded if ``offload`` and the storage is
-        at least ``min_offload_bytes``. Returns (handle, the entry if it is new)."""
-        version = tensor._version
+        its view family, saved into ``scope`` of ``record``): of an existing entry of the same
+        storage, family and version, or of a new one (then ``handle.entry() is handle``: an
+        entry is the weak reference of its first handle), offloaded if ``offload`` and the
+        storage is at least ``min_offload_bytes``."""
         # Note [Storage stamps]: the stamps are set outside the lock (a stamp is unique however
         # many threads draw one; setting the same object's twice would only waste one).
         stamp = getattr(storage, STAMP_ATTR, None)
+        seen = stamp is not None  # else no entry can be of this storage
         if stamp is None:
             stamp = next_stamp()
             setattr(storage, STAMP_ATTR, stamp)
@@ -183,59 +188,111 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             family = next_stamp()
             setattr(root, FAMILY_ATTR, family)
         table = self.table
+        handle = Handle()
+        handle.scope = scope
+        entry: Entry | None
         with self.lock:
             if self.released:
                 self._drain_locked()
             if self.closed:
                 raise TBAError("tba: a save reached a closed tensor cache")
             while True:
-                entry, other_family = table.find(stamp, family, version)
+                entry, other_family = None, False
+                if seen and stamp in table.by_stamp:
+                    entry, other_family = table.find(stamp, family, tensor._version)
                 if entry is not None:
-                    geometry: Geometry | None = (
-                        tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
-                    )
-                    if scope.keep and entry.xfer is not None:
-                        self._saved_again(entry, storage)
-                    new = None
-                    table.num_deduplicated += 1
+                    self._saved_again(entry, handle, tensor, storage, scope, record)
+                    entry = None
                     break
                 nbytes = storage.nbytes()
-                entry = Entry(stamp, family, tensor, storage, nbytes, scope)
-                if offload and self.offloader is not None and nbytes >= self.min_offload_bytes:
-                    device = storage.device
-                    xfer = entry.xfer = Transfer(device, None)
-                    # Note [Small transfers inline]
-                    inline = self._store_now is not None and nbytes <= INLINE_MAX_BYTES and device.type == "cpu"
-                    if not (inline and self._store_inline(entry, storage, xfer)):
-                        if self.inflight_bytes and self.inflight_bytes + nbytes > self._max_inflight_bytes:
-                            self._wait_for_room(nbytes)  # lets go of the lock: look again after it
-                            continue
-                        xfer.event = self.streams.producer_event(device)
-                        self._queue_store(entry)
-                else:  # the KEEP row (Note [Entry state machine]), inline: the hot path
+                if not offload or self.offloader is None or nbytes < self.min_offload_bytes:
+                    # The KEEP row (Note [Entry state machine]), inline: the hot path.
+                    entry = new_entry(handle, self._queue_release, stamp, family, tensor, storage,
+                                      nbytes, scope, record)
                     entry.state = _KEPT
                     resident = self.resident_bytes = self.resident_bytes + nbytes
                     step = self.step
                     step.kept_bytes += nbytes
                     if resident > step.peak_resident_bytes:
                         step.peak_resident_bytes = resident
+                    break
+                if self.inflight_bytes and self.inflight_bytes + nbytes > self._max_inflight_bytes:
+                    if self._batch:
+                        self.store_batch()  # what waits in the batch counts as in flight
+                    else:
+                        self._wait_for_room(nbytes)  # lets go of the lock: look again after it
+                    continue
+                device = storage.device
+                # Note [Small transfers in batches]
+                batched = self._store_now is not None and nbytes <= INLINE_MAX_BYTES and device.type == "cpu"
+                event = None if batched else self.streams.producer_event(device)
+                # From here to the end of the section nothing lets go of the lock.
+                entry = new_entry(handle, self._queue_release, stamp, family, tensor, storage,
+                                  nbytes, scope, record)
+                xfer = entry.xfer = Transfer(device, event)
+                record.offloads = True
+                scope.entries.append(entry)  # what backward prefetches, in save order
+                if batched:
+                    xfer.inline = True
+                    self._add_to_batch(entry)
+                else:
+                    self._queue_store(entry)
+                break
+            if entry is not None:
                 table.insert(entry)
                 if other_family:
                     table.num_family_entries += 1
-                new, geometry = entry, None
-                break
+                record.num_handles += 1
             table.num_packed += 1
-            handle = Handle(entry, geometry, scope)
-            ref = HandleRef(handle, self._queue_release)
-            ref.entry, ref.record = entry, record
-            entry.handles.append(ref)
-            record.num_handles += 1
-            entries = scope.entries  # what backward prefetches, in save order
-            if not entries or entries[-1] is not entry:
-                entries.append(entry)
         if self.error is not None:
             self.raise_pending()
-        return handle, new
+        return handle
+
+    def _saved_again(
+        self, entry: Entry, handle: Handle, tensor: torch.Tensor, storage: torch.UntypedStorage,
+        scope: SavedScope, record: SavedRecord,
+    ) -> None:
+        """``handle`` of ``tensor`` (on ``storage``) is another handle of ``entry`` (lock held).
+        The kept tail saving an offloaded entry again keeps its bytes in memory: backward will
+        want it soon and ``storage`` has them."""
+        handle.entry = entry
+        if entry.xfer is None:  # kept from the start: its own alias (shares the storage)
+            handle.view = tensor.detach()
+        else:
+            handle.view = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset())
+        ref = HandleRef(handle, self._queue_release)
+        ref.entry, ref.record = entry, record
+        others = entry.others
+        if others is None:
+            entry.others = [ref]
+        else:
+            others.append(ref)
+        entry.num_handles += 1
+        record.num_handles += 1
+        self.table.num_deduplicated += 1
+        if entry.xfer is None:
+            return
+        entries = scope.entries  # what backward prefetches, in save order
+        if not entries or entries[-1] is not entry:
+            entries.append(entry)
+        if not scope.keep:
+            return
+        state = entry.state
+        if state is S.QUEUED:
+            self._cancel_queued(entry, E.CANCEL)
+        elif state is S.STORING:
+            self._apply(entry, E.WANT)
+        elif state is S.STORED:
+            entry.data = storage
+            self._apply(entry, E.SAVED_AGAIN)
+
+    def _cancel_queued(self, entry: Entry, event: Event) -> State:
+        """``event`` (WANT, CANCEL, DROP or RESIZED) on a QUEUED entry (lock held): out of the
+        pending batch if it waits there (Note [Small transfers in batches])."""
+        xfer = entry.xfer
+        if xfer is not None and xfer.inline:
+            self._leave_batch(entry)
+        return self._apply(entry, event)
 
     def _queue_store(self, entry: Entry) -> None:
         """Hand a new entry's store to the workers (lock held)."""
@@ -248,25 +305,16 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
 
-    def _saved_again(self, entry: Entry, storage: torch.UntypedStorage) -> None:
-        """The kept tail saves an offloaded entry again (lock held): backward will want it
-        soon and ``storage`` has its bytes: keep them in memory."""
-        state = entry.state
-        if state is S.QUEUED:
-            self._apply(entry, E.CANCEL)
-        elif state is S.STORING:
-            self._apply(entry, E.WANT)
-        elif state is S.STORED:
-            entry.data = storage
-            self._apply(entry, E.SAVED_AGAIN)
-
     def flush(self) -> None:
-        """Wake the workers for stores queued since they were last woken (Note [Batched
-        hand-offs]) and do the queued releases."""
-        if self._unwoken_bytes or self.released:
+        """Store the pending batch (Note [Small transfers in batches]), wake the workers for
+        stores queued since they were last woken (Note [Batched hand-offs]) and do the queued
+        releases."""
+        if self._unwoken_bytes or self.released or self._batch:
             with self.lock:
                 if self.released:
                     self._drain_locked()
+                if self._batch:
+                    self.store_batch()
                 if self._unwoken_bytes:
                     self._unwoken_bytes = 0
                     self._store_ready.notify_all()
@@ -289,15 +337,17 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
                 retried = True
                 state = entry.state
             if state in HOLDS_DATA:
-                if state is S.QUEUED or state is S.STORING:
+                if state is S.QUEUED:
+                    self._cancel_queued(entry, E.WANT)
+                elif state is S.STORING:
                     self._apply(entry, E.WANT)
                 if xfer.load_done is None and not xfer.reloaded:  # served from memory
                     self.step.num_forwarded += 1
                 assert entry.data is not None
                 return entry.data, xfer.load_event
             if state is S.STORED:
-                if xfer.inline:  # Note [Small transfers inline]
-                    return self._load_inline(entry, xfer)
+                if xfer.inline:  # Note [Small transfers in batches]
+                    return self._load_batched(entry, xfer)
                 self.step.num_sync_loads += 1
                 self._queue_load(entry, xfer)
             elif state is not S.LOADING:
@@ -325,9 +375,11 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
                     continue
                 state = entry.state
                 if state is S.STORED:
-                    if not xfer.inline:  # those load where unpacked (Note [Small transfers inline])
+                    if not xfer.inline:  # loaded where unpacked (Note [Small transfers in batches])
                         self._queue_load(entry, xfer)
-                elif state is S.QUEUED or state is S.STORING:
+                elif state is S.QUEUED:
+                    self._cancel_queued(entry, E.WANT)
+                elif state is S.STORING:
                     self._apply(entry, E.WANT)
 
     def _queue_load(self, entry: Entry, xfer: Transfer) -> None:
@@ -349,14 +401,20 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         dead: list[SavedRecord] = []
         while released:
             ref = released.popleft()
-            entry = ref.entry
-            handles = entry.handles
-            handles.remove(ref)
+            # Note [One object per new entry]: an entry is the reference of its first handle.
+            if type(ref) is HandleRef:
+                entry = ref.entry
+                others = entry.others
+                assert others is not None
+                others.remove(ref)
+            else:
+                entry = ref  # type: ignore[assignment]  # the only other kind
             record = ref.record
             record.num_handles -= 1
             if not record.num_handles and record.forward_done:
                 dead.append(record)
-            if not handles:
+            entry.num_handles -= 1
+            if not entry.num_handles:
                 if entry.state is _KEPT and entry.xfer is None:
                     # The DROP row of a kept entry (Note [Entry state machine]), inline.
                     self.table.remove(entry)
@@ -374,7 +432,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
         if entry.state is None:  # pragma: no cover - never added (a bug upstream)
             return
         self.table.remove(entry)
-        new = self._apply(entry, E.DROP)
+        new = self._cancel_queued(entry, E.DROP) if entry.state is S.QUEUED else self._apply(entry, E.DROP)
         entry.data = None
         entry.alias = None
         xfer = entry.xfer
@@ -385,8 +443,15 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             self.orphans.add(entry)
 
     def _release_token(self, xfer: Transfer) -> None:
-        """Give the offloader's space back (lock held). A failure is raised in the step."""
+        """Give the offloader's space back (lock held); of a batch, this entry's share: the
+        last share gives the batch's token back. A failure is raised in the step."""
         token, xfer.token = xfer.token, None
+        if type(token) is Batch:
+            batch = token
+            batch.num_shares -= 1
+            if batch.num_shares:
+                return
+            token, batch.token = batch.token, None
         assert self.offloader is not None
         try:
             self.offloader.release(token)
@@ -405,6 +470,7 @@ class Engine(EngineWaits, EngineAccounting, TransferWorkers):
             self._stopping = True
             self._store_q.clear()
             self._load_q.clear()
+            self._batch.clear()  # its entries are dropped below
             self._notify_everyone()
         self._join_workers()
         with self.lock:

@@ -51,7 +51,7 @@ class State(enum.Enum):
 class Event(enum.Enum):
     KEEP = "keep"  # a new entry that stays in memory
     QUEUE = "queue"  # a new entry whose store goes to the workers
-    STORED_INLINE = "stored inline"  # a new entry stored at once on the training thread
+    STORED_BATCH = "stored in a batch"  # its batch was stored on the training thread
     START_STORE = "start store"  # a worker took the store
     CANCEL = "cancel"  # the kept tail saves a queued entry again: keep it, no store
     RESIZED = "resized"  # its storage was resized behind autograd's back: keep it, no store
@@ -107,7 +107,7 @@ _RESIZED = (("num_resized", False),) + _KEPT
 TRANSITIONS: dict[tuple[State | None, Event], tuple[State, tuple[tuple[str, bool], ...]]] = {
     (None, E.KEEP): (S.KEPT, _KEPT),
     (None, E.QUEUE): (S.QUEUED, ()),
-    (None, E.STORED_INLINE): (S.STORED, _OFFLOADED),
+    (S.QUEUED, E.STORED_BATCH): (S.STORED, _OFFLOADED),  # Note [Small transfers in batches]
     (S.QUEUED, E.START_STORE): (S.STORING, ()),
     (S.QUEUED, E.CANCEL): (S.KEPT, _CANCELLED),
     (S.QUEUED, E.WANT): (S.KEPT, _CANCELLED),

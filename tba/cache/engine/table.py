@@ -42,10 +42,11 @@ next_stamp = itertools.count(1).__next__
 
 
 class EntryTable:
-    """Live entries by storage stamp, and the per-step counts of saves."""
+    """Live entries by storage stamp (one dict entry per storage: the entries of one stamp are
+    chained through ``Entry.same``), and the per-step counts of saves."""
 
     def __init__(self) -> None:
-        self._by_stamp: dict[int, list[Entry]] = {}
+        self.by_stamp: dict[int, Entry] = {}  # the engine's save reads it for the new-storage case
         self.num_entries = 0
         # Counts of the running step (the engine adds to them in ``save``).
         self.num_packed = 0
@@ -55,34 +56,49 @@ class EntryTable:
     def find(self, stamp: int, family: int, version: int) -> tuple[Entry | None, bool]:
         """(the live entry of storage ``stamp``, family ``family`` and ``version`` or None,
         whether that storage is held under another family)."""
-        same = self._by_stamp.get(stamp)
-        if same is None:
-            return None, False
-        for entry in same:
-            if entry.family == family and entry.version == version:
-                return entry, False
-        return None, any(e.family != family for e in same)
+        entry = self.by_stamp.get(stamp)
+        other_family = False
+        while entry is not None:
+            if entry.family == family:
+                if entry.version == version:
+                    return entry, False
+            else:
+                other_family = True
+            entry = entry.same
+        return None, other_family
 
     def insert(self, entry: Entry) -> None:
-        same = self._by_stamp.get(entry.stamp)
-        if same is None:
-            self._by_stamp[entry.stamp] = [entry]
-        else:
-            same.append(entry)
+        by_stamp = self.by_stamp
+        entry.same = by_stamp.get(entry.stamp)
+        by_stamp[entry.stamp] = entry
         self.num_entries += 1
 
     def remove(self, entry: Entry) -> None:
-        same = self._by_stamp.get(entry.stamp)
-        if same is not None and entry in same:
-            if len(same) == 1:
-                del self._by_stamp[entry.stamp]
+        by_stamp = self.by_stamp
+        head = by_stamp.get(entry.stamp)
+        if head is entry:
+            if entry.same is None:
+                del by_stamp[entry.stamp]
             else:
-                same.remove(entry)
-            self.num_entries -= 1
+                by_stamp[entry.stamp] = entry.same
+        else:
+            while head is not None and head.same is not entry:
+                head = head.same
+            if head is None:
+                return
+            head.same = entry.same
+        entry.same = None
+        self.num_entries -= 1
 
     def entries(self) -> list[Entry]:
         """Every live entry (a copy)."""
-        return [e for same in self._by_stamp.values() for e in same]
+        out = []
+        for head in self.by_stamp.values():
+            entry: Entry | None = head
+            while entry is not None:
+                out.append(entry)
+                entry = entry.same
+        return out
 
     def take_counts(self) -> tuple[int, int, int]:
         """(handles made, deduplicated saves, family entries) since the last call."""
@@ -93,6 +109,8 @@ class EntryTable:
     def clear(self) -> list[Entry]:
         """Forget every entry; returns them."""
         out = self.entries()
-        self._by_stamp.clear()
+        self.by_stamp.clear()
+        for entry in out:
+            entry.same = None
         self.num_entries = 0
         return out

@@ -45,17 +45,19 @@ class EngineWaits:
     _warned_load_retry: bool
     _unwoken_bytes: int
     _reserve_bytes: int | None
+    _num_reserving: int
     _load_q: collections.deque[Entry]
     _progress: int
     _start_workers: Callable[[], None]
     _load_ready: threading.Condition
     _drain_locked: Callable[[], None]
+    store_batch: Callable[[], None]
     offloader: Offloader | None
     trace: TraceRecorder
     step: CacheStats
     table: EntryTable
     orphans: set[Entry]
-    released: collections.deque[HandleRef]
+    released: collections.deque[HandleRef | Entry]
     inflight_bytes: int
     closed: bool
     timeout_s: float
@@ -147,8 +149,8 @@ class EngineWaits:
                 )
 
     def wait_for_stores(self, timeout_s: float) -> None:
-        """Block until no store is queued or running and no reserve is pending (bounded by
-        ``timeout_s``).
+        """Block until no store is queued or running and no reserve is pending or running
+        (bounded by ``timeout_s``).
 
         Raises:
             TBAError: stores are still in flight after ``timeout_s`` seconds.
@@ -157,9 +159,12 @@ class EngineWaits:
         with self.lock:
             if self.released:
                 self._drain_locked()
+            self.store_batch()  # Note [Small transfers in batches]
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
-            while (self.inflight_bytes > 0 or self._reserve_bytes is not None) and self.error is None:
+            while self.error is None and (
+                self.inflight_bytes > 0 or self._reserve_bytes is not None or self._num_reserving
+            ):
                 self._check_alive(lambda: "stores to finish")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -181,11 +186,13 @@ class EngineWaits:
 
         def busy() -> bool:
             return bool(
-                self.inflight_bytes or self._reserve_bytes is not None or self._load_q or self.orphans
+                self.inflight_bytes or self._reserve_bytes is not None or self._num_reserving or self._load_q
+                or self.orphans
                 or any(e.state is S.LOADING for e in self.table.entries())
             )
 
         with self.lock:
+            self.store_batch()
             self._unwoken_bytes = 0
             self._store_ready.notify_all()
             while busy() and self.dead is None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tba.cache.observe.trace import TraceRecorder
     from tba.offloaders.base import Offloader
 
-__all__ = ["TransferWorkers"]
+__all__ = ["TransferWorkers", "offloader_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ E, S = Event, State
 # worse, GIL hand-offs: every torch call on either thread releases the GIL, so a running worker
 # and the training thread trade it at each op (tens of microseconds per small tensor on a 2-core
 # machine, measured by benchmarks/hook_overhead.py), while copying a few KiB between CPU buffers
-# takes under a microsecond. A CPU storage of at most this many bytes is therefore stored on
-# the training thread at pack time when the offloader can take it at once
+# takes under a microsecond. A CPU storage of at most INLINE_MAX_BYTES is therefore stored on
+# the training thread, together with the other small storages of its unit (Note [Small
+# transfers in batches] in batches.py), when the offloader can take them at once
 # (``store_now(storage)`` returns a token, or None to go through the workers: no room without
 # allocating, a reserve pending, a non-CPU storage), and read back by whoever unpacks it. CUDA
 # storages always go through the workers (their copies wait on streams). Both run inside the
@@ -69,7 +70,7 @@ E, S = Event, State
 
 
 
-def _offloader_error(offloader: Offloader, what: str, nbytes: int, exc: BaseException) -> BaseException:
+def offloader_error(offloader: Offloader, what: str, nbytes: int, exc: BaseException) -> BaseException:
     """``exc`` as the ``OffloadIOError`` raised in the training step."""
     if isinstance(exc, OffloadIOError):
         return exc
@@ -95,6 +96,7 @@ class TransferWorkers:
     _num_threads: dict[str, int]
     _stopping: bool
     _reserve_bytes: int | None
+    _num_reserving: int
     _keep_on_error: bool
     timeout_s: float
     _warned_keep: bool
@@ -168,32 +170,6 @@ class TransferWorkers:
                 self._notify_everyone()
 
     # ----------------------------------------------------------------- stores
-    def _store_inline(self, entry: Entry, storage: torch.UntypedStorage, xfer: Transfer) -> bool:
-        """Note [Small transfers inline] (lock held, the entry new): ``store_now``; False when
-        the offloader cannot take it at once (the caller queues it for a worker)."""
-        start = time.perf_counter()
-        try:
-            with transfer_range("store", entry):
-                token = self._store_now(storage)
-        except Exception as exc:  # raised in the training step, never swallowed
-            self._apply(entry, E.QUEUE)
-            self._apply(entry, E.START_STORE)
-            self._store_failed(entry, exc)
-            return True
-        if token is None:
-            return False
-        end = time.perf_counter()
-        # Note [Inline CPU time]: an inline copy never blocks, so its wall time is its CPU time.
-        self.step.io_cpu_s += end - start
-        self.trace.span("store", start, end, entry.nbytes, True)
-        xfer.inline = True
-        xfer.token = token
-        xfer.page_offset = storage.data_ptr() % DIRECT_IO_ALIGNMENT
-        self.step.write_s += end - start
-        self._apply(entry, E.STORED_INLINE)
-        self._let_go(entry)
-        return True
-
     def _let_go(self, entry: Entry) -> None:
         """A stored entry keeps only its version-counter alias (lock held): Note
         [Saved-version check]."""
@@ -278,7 +254,9 @@ class TransferWorkers:
         failure = None
 
     def _reserve_now(self, nbytes: int) -> None:
-        """On the store worker, lock held on entry and exit (released around the call)."""
+        """On the store worker, lock held on entry and exit (released around the call; the
+        waits for stores see ``_num_reserving`` meanwhile)."""
+        self._num_reserving += 1
         self.cond.release()
         try:
             self.offloader.reserve(nbytes)
@@ -288,6 +266,7 @@ class TransferWorkers:
             failure = None
         finally:
             self.cond.acquire()
+            self._num_reserving -= 1
             self._notify_done()  # wait_for_stores waits for this too
         if failure is not None:
             self.step.num_io_errors += 1
@@ -322,7 +301,7 @@ class TransferWorkers:
     def _store_failed(self, entry: Entry, exc: BaseException) -> None:
         """A store failed (lock held): the bytes are still in memory, nothing is lost. Raised
         in the training step, or kept with a warning (``on_io_error="keep"``)."""
-        error = _offloader_error(self.offloader, "store", entry.nbytes, exc)
+        error = offloader_error(self.offloader, "store", entry.nbytes, exc)
         dropped = self._apply(entry, E.STORE_FAILED) is S.DROPPED
         if dropped:
             self.orphans.discard(entry)
@@ -355,6 +334,8 @@ class TransferWorkers:
                 if self._stopping:
                     return
                 entry = self._load_q.popleft()
+                if not self._load_q:
+                    self._wake_stores()
                 if entry.state is S.ORPHAN_LOADING:  # died while its load was queued
                     self._abandon_load(entry)
                     continue
@@ -411,7 +392,7 @@ class TransferWorkers:
                 self.orphans.discard(entry)
                 self._release_token(xfer)
             else:
-                xfer.error = _offloader_error(self.offloader, "load", entry.nbytes, failure)
+                xfer.error = offloader_error(self.offloader, "load", entry.nbytes, failure)
             return
         if entry.state is S.ORPHAN_LOADING:
             self._apply(entry, E.LOAD_DONE)
@@ -422,31 +403,10 @@ class TransferWorkers:
         self.step.read_s += elapsed
         self._apply(entry, E.LOAD_DONE)  # RELOADED: holds no offloader space
         self._release_token(xfer)  # Note [A reloaded entry holds no offloader space]
-        if self._store_q and not self._load_q:
-            self._store_ready.notify_all()  # stores wait while loads are queued
 
-    def _load_inline(self, entry: Entry, xfer: Transfer) -> tuple[Any, Any]:
-        """Read a small inline-stored entry back on this thread (lock held): Note [Small
-        transfers inline]. Returns what ``fetch`` returns; raises the load's error."""
-        self._apply(entry, E.LOAD)
-        start = time.perf_counter()
-        dst, failure = None, None
-        try:
-            dst = torch.empty(entry.nbytes, dtype=torch.uint8)
-            with transfer_range("load", entry):
-                self.offloader.load(xfer.token, dst)
-        except Exception as exc:  # raised to the caller below
-            failure = exc
-        end = time.perf_counter()
-        self.step.io_cpu_s += end - start  # Note [Inline CPU time]
-        self.trace.span("load", start, end, entry.nbytes, failure is None)
-        self._finish_load(entry, xfer, dst, None, failure, end - start)
-        if failure is not None:
-            error, xfer.error = xfer.error, None
-            failure = None
-            assert error is not None
-            try:
-                raise error
-            finally:
-                error = None
-        return entry.data, None
+    def _wake_stores(self) -> None:
+        """The load queue just emptied (lock held): wake the store worker if a store or a
+        reserve waits, as they do while loads are queued. A reserve counts too: a store worker
+        left asleep with a reserve pending would keep ``wait_for_stores`` waiting forever."""
+        if self._store_q or self._reserve_bytes is not None:
+            self._store_ready.notify_all()

@@ -158,7 +158,7 @@ class Record:
 
     __slots__ = (
         "key", "seq", "scopes", "keep_tail", "in_tail", "forward_done", "backward_started",
-        "backward_task", "backward_done", "num_handles", "detached", "grad_fn_hooks",
+        "backward_task", "backward_done", "num_handles", "detached", "grad_fn_hooks", "offloads",
     )
 
     def __init__(self, key: tuple[int, int], keep_tail: bool, seq: int = 0) -> None:
@@ -174,6 +174,7 @@ class Record:
         self.num_handles = 0  # live handles of its saves: 0 after forward = its graph is gone
         self.detached = False  # its step ended (a later backward of it starts a step again)
         self.grad_fn_hooks: list[RemovableHandle] = []
+        self.offloads = False  # an entry of it was marked for offload (Note [Prefetch hooks])
 
 
 class ForwardPass:

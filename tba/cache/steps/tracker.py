@@ -25,6 +25,18 @@ profiled, numbered or judged). Records of an ended step are dropped with their
 grad_fn hooks, so what the tracker holds is bounded by the running step.
 
 All methods run under the engine's lock (one lock: Note [One owner of entry life]).
+
+Note [Prefetch hooks]: backward enters a scope at the first unpack of a tensor saved in it,
+and earlier when it reaches the grad_fn of the unit's output (a pre-hook registered when the
+unit returns): that earlier entry is what starts loads ahead of the unpacks (``prefetch_from``).
+A unit that returns before anything of its record was marked for offload, or of a cache
+without an offloader, gets no pre-hook: ``prefetch_from`` there could only look at scopes
+whose entries all stay in memory (scopes get entries only while their unit runs, and an entry
+is marked for offload when it is made). Registering a pre-hook costs more than the unit's
+saves on a small model, and each one runs again in backward. Entering at the first unpack does
+the rest the pre-hook did (a backward of a detached record attaches it; the end of the
+backward pass is heard). Tested in tests/cache/test_engine.py
+(test_prefetch_hooks_only_where_something_is_offloaded).
 """
 
 from __future__ import annotations
@@ -151,9 +163,10 @@ class StepTracker:
 
     def unit_exited(self, scope: Scope, output: Any) -> None:
         """A unit's forward saved into ``scope`` and returned ``output``: backward reaching
-        ``output``'s grad_fn enters the scope (a pre-hook, removed when the step ends)."""
+        ``output``'s grad_fn enters the scope (a pre-hook, removed when the step ends), when a
+        prefetch from there could load anything (Note [Prefetch hooks])."""
         record = scope.record
-        if record.detached:
+        if record.detached or not record.offloads or self._prefetch is None:
             return
         seen: set[int] = set()
         for tensor in tensors_in(output):
