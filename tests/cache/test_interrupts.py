@@ -160,11 +160,12 @@ def test_timeout_every_few_lines_quick(offloader: str, tmp_path: Path) -> None:
 
 # Every other line for host and every fourth for ssd: the critical sections are the SIGINT
 # sweep's; what differs is an Exception (not a BaseException) outside them (always_call hooks,
-# except clauses), at half the SIGINT sweep's time.
+# except clauses), at half the SIGINT sweep's time. The bound is most of the points a stride
+# visits: an ssd step runs about 2800 line events, so every fourth is about 700 interrupts.
 @pytest.mark.slow
-@pytest.mark.parametrize(("offloader", "stride"), [("host", 2), ("ssd", 4)])
-def test_timeout_at_every_line(offloader: str, stride: int, tmp_path: Path) -> None:
-    assert _sweep(offloader, tmp_path, stride=stride, signum=signal.SIGALRM) > 1000
+@pytest.mark.parametrize(("offloader", "stride", "at_least"), [("host", 2, 1000), ("ssd", 4, 500)])
+def test_timeout_at_every_line(offloader: str, stride: int, at_least: int, tmp_path: Path) -> None:
+    assert _sweep(offloader, tmp_path, stride=stride, signum=signal.SIGALRM) > at_least
 
 
 def test_an_interrupted_forward_leaves_no_hooks_for_another_model() -> None:
