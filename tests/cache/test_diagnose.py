@@ -354,3 +354,12 @@ def test_stats_print_readably_and_repr_keeps_every_field() -> None:
     assert "write_bytes_per_s=" in repr(stats)
     result = doctest.testmod(stats_module, raise_on_error=False, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_summary_names_the_offloaded_blocks() -> None:
+    """The blocks column: "0 of 6" is the first block alone, "0-4 of 6" blocks 0 to 4, "none"
+    a step that wrote nothing (whatever the policy chose)."""
+    wrote = tba.CacheStats(num_steps=1, offloaded_bytes=1 << 20)
+    rows = [(1, wrote, 1), (2, wrote, 5), (3, tba.CacheStats(num_steps=1), 5)]
+    table = stats_module.format_summary(rows, 6, None).splitlines()
+    assert [line.split("  ")[-1].strip() for line in table[2:5]] == ["0 of 6", "0-4 of 6", "none of 6"]

@@ -177,9 +177,10 @@ def format_summary(
     )
     lines = [header, "-" * len(header)]
     for number, s, tail_start in rows:
-        blocks = f"0-{tail_start - 1} of {num_blocks}" if tail_start and s.offloaded_bytes else (
-            f"none of {num_blocks}"
-        )
+        if not (tail_start and s.offloaded_bytes):
+            blocks = f"none of {num_blocks}"
+        else:  # "0 of 6" (the first block alone), "0-4 of 6" (blocks 0 to 4)
+            blocks = f"{'0' if tail_start == 1 else f'0-{tail_start - 1}'} of {num_blocks}"
         lines.append(
             f"{number:>5} {s.offloaded_bytes / mib:>13.1f} {s.reloaded_bytes / mib:>12.1f} "
             f"{s.kept_bytes / mib:>9.1f} {s.num_forwarded:>5} {s.num_deduplicated:>5} "
