@@ -24,19 +24,25 @@ def make_cache(model, offloader, streams=None, **options) -> TensorCache:
     return TensorCache(model, config, offloader, streams=streams)
 
 
-@pytest.mark.timing
-def test_stream_ordering_of_stores_and_loads() -> None:
-    streams = RecordingStreams()
-    offloader = FakeOffloader()
+def _settled_step(streams: RecordingStreams, offloader: FakeOffloader | None = None) -> tba.CacheStats:
+    """One step of a 4-block stack over ``streams``: every store finishes before backward, so
+    backward has to load."""
     model = models.Stack(num_blocks=4)
-    cache = make_cache(model, offloader, streams, prefetch_modules=0)
+    cache = make_cache(model, offloader or FakeOffloader(), streams, prefetch_modules=0)
     loss = model(models.vector_batch(0))
-    # Let every store finish before backward, so backward has to load.
     cache.wait_for_stores(60)
     loss.backward()
     stats = cache.stats()
     cache.close()
     assert stats.num_offloaded > 0 and stats.reloaded_bytes > 0
+    return stats
+
+
+@pytest.mark.timing
+def test_stream_ordering_of_stores_and_loads() -> None:
+    streams = RecordingStreams()
+    offloader = FakeOffloader()
+    stats = _settled_step(streams, offloader)
     log = streams.log
     producers = [e[1] for e in log if e[0] == "record" and e[1][0] == "producer"]
     store_waits = [e[2] for e in log if e[0] == "enter" and e[1] == "store"]
@@ -249,14 +255,7 @@ def test_transfer_time_excludes_the_wait_for_the_producer(monkeypatch) -> None:
     clock = _FakePerfCounter()
     monkeypatch.setattr(workers, "time", clock)
     streams = _WaitingStreams(clock, lag_s=100.0)
-    model = models.Stack(num_blocks=4)
-    cache = make_cache(model, FakeOffloader(), streams, prefetch_modules=0)
-    loss = model(models.vector_batch(0))
-    cache.wait_for_stores(60)
-    loss.backward()
-    stats = cache.stats()
-    cache.close()
-    assert stats.num_offloaded > 0 and stats.reloaded_bytes > 0
+    stats = _settled_step(streams)
     entered = sum(1 for e in streams.log if e[0] == "enter")
     assert entered >= stats.num_offloaded + 1  # every store and at least one load waited 100 s
     assert stats.write_s < 50.0, f"write_s {stats.write_s:.1f} s counts the wait for the producer"
