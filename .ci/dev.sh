@@ -44,8 +44,7 @@ if [ "$what" = main ]; then
 fi
 # types and the tests (test, test-slow, load) share one environment: mypy checks tba against the
 # packages the tests use.
-pip install -q -c "$constraints" -e ".[test,bench,release,typecheck]"
-bash .ci/install_optional.sh "$constraints"
+bash .ci/install_optional.sh "$constraints" -e ".[test,bench,release,typecheck]"
 rm -f "$constraints"
 if [ "$what" = types ]; then
   exec python -m mypy "$@"  # files and strictness: [tool.mypy] in pyproject.toml
