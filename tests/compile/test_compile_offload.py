@@ -68,6 +68,17 @@ def test_bit_exact_offloading_in_one_graph_on_cuda(inner: str, offloader: str, t
     assert_offloaded_in_one_graph(run)
 
 
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_activations_whose_sizes_and_strides_overflow_int64_as_dims(inner: str) -> None:
+    """A saved activation whose sizes and strides multiply past 2**63 (as GPT-2's do at
+    hidden 2048, batch 32) compiles and trains bit-exact: its shape carrier has those values as
+    dims, which contiguous strides cannot describe (Note [Keys and shape carriers]; was
+    "Stride calculation overflowed" while compiling)."""
+    run = train("high_rank", inner, dict(offloader="host"))
+    assert_same_training(_reference("high_rank", inner), run)
+    assert_offloaded_in_one_graph(run)
+
+
 def test_aliases_are_stored_once() -> None:
     """q, k^T and v view one storage: one store op, one entry, the other members deduplicated
     against it (Note [What a compiled graph stores])."""

@@ -29,6 +29,7 @@ def gpt2(num_layers: int = 3) -> nn.Module:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
     "gpt2": (gpt2, models.lm_batch),
     "fused_attention": (models.FusedAttention, models.sequence_batch),
+    "high_rank": (models.HighRank, models.vector_batch),
 }
 
 BASE_OPTIONS: dict[str, Any] = dict(offload_devices=("cpu",), min_offload_bytes=0, adaptive=False)
