@@ -112,3 +112,18 @@ class FusedAttention(nn.Module):
 def sequence_batch(seed: int, features: int = 16) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(BATCH, SEQ, features, generator=g)
+
+
+class HighRank(nn.Module):
+    """Saves a rank-5 activation (a cumulative sum that ``sin`` saves for backward) whose
+    sizes and strides together multiply past 2**63 (sizes 1, 2, 2, 2, 2048 and strides
+    2**14 .. 1), as GPT-2's ``(batch, seq, hidden)`` activations do at scale: a shape carrier
+    made with contiguous strides cannot exist (Note [Keys and shape carriers])."""
+
+    def __init__(self, features: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(features, 2048)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cumsum(self.up(x).view(-1, 2, 2, 2, 2048), dim=-1)
+        return torch.sin(y).mean()

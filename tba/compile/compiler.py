@@ -8,6 +8,7 @@ installed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import warnings
@@ -37,7 +38,18 @@ INNER_COMPILERS = ("inductor", "aot_eager")
 # and in-place buffers; the caching allocator still recycles the memory once it is freed.
 # Seen on torch 2.13 CPU: a GELU kernel wrote its output into the buffer of the linear output
 # stored just before. Tested by tests/compile/test_compile_offload.py (Inductor, bit-exact).
-_INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "inplace_buffers": False}
+# Note [Rewritten graphs are not cached]: torch.compile's caches (Inductor's FX graph cache,
+# AOTAutograd's cache, local and remote) are kept off for the graphs tba rewrites. A cache hit
+# would be wrong: AOTAutograd's cache returns the compiled forward and backward without
+# running the partitioner, so no graph is registered for the store ops' graph id (a counter of
+# this process, Note [Whose graph is it] in runtime.py) and no plan is made for this model.
+# Left on, the caches only computed a key and gave up: the key pickles Inductor's config,
+# whose custom_partitioner_fn (the Partitioner) holds the model and cache weakly, and a weak
+# reference does not pickle (torch 2.11 warned "Failed to pickle cache key" per compile).
+# Graphs of models without a cache keep the caches. Tested by tests/compile/test_backend.py.
+_INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "inplace_buffers": False,
+                     "fx_graph_cache": False, "fx_graph_remote_cache": False}
+_AUTOGRAD_CACHE_OFF = {"enable_autograd_cache": False, "enable_remote_autograd_cache": False}
 _CUDAGRAPH_OPTIONS = ("triton.cudagraphs", "triton_cudagraphs")
 
 
@@ -138,8 +150,12 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], inner: str, patches:
             )
         patches.update(_INDUCTOR_PATCHES)
         patches["custom_partitioner_fn"] = partitioner
-    compiled_fx: Callable[..., Any] = compile_fx(  # type: ignore[assignment]  # a callable here
-        gm, example_inputs, config_patches=patches)
+    # Note [Rewritten graphs are not cached]
+    caches = (torch._functorch.config.patch(_AUTOGRAD_CACHE_OFF) if partitioner is not None
+              else contextlib.nullcontext())
+    with caches:
+        compiled_fx: Callable[..., Any] = compile_fx(  # type: ignore[assignment]  # a callable
+            gm, example_inputs, config_patches=patches)
     return compiled_fx
 
 

@@ -142,7 +142,8 @@ class Partitioner(CustomPartitionerFn):
         logger.info("tba compile: %s", report)
 
     def uuid(self) -> Any:
-        """None: never cache the compiled code (its store ops name a graph of this process)."""
+        """None: the compiled code is not cached (Note [Rewritten graphs are not cached] in
+        compiler.py)."""
         return None
 
 

@@ -264,3 +264,20 @@ def test_one_graph_for_two_models_offloads_each_into_its_own_cache() -> None:
     finally:
         for cache in caches:
             cache.close()
+
+
+def test_graphs_with_offload_stay_out_of_torch_compile_caches() -> None:
+    """Note [Rewritten graphs are not cached]: a graph tba rewrites is neither looked up in
+    nor written to Inductor's FX graph cache or AOTAutograd's cache (before, the key failed to
+    pickle the partitioner: a warning per compile on torch 2.11, a bypass on 2.13)."""
+    model = models.Stack(num_blocks=1, width=16)
+    cache = tba.configure_tensor_cache(model, **OPTIONS)
+    try:
+        compiled = torch.compile(model, backend="tba")
+        _step(compiled, cache=cache)
+        assert cache.stats().offloaded_bytes > 0
+    finally:
+        cache.close()
+    used = {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+            if "cache" in k}
+    assert used == {}, used

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,6 +15,12 @@ import tba
 from tba.compile import Partitioner
 from tba.rok._saved import SavedActivationMeter
 from tests import models
+
+# torch.use_deterministic_algorithms(True) asks cuBLAS (CUDA >= 10.2) for a fixed workspace
+# configuration, without which it may raise on a matmul and cuBLAS may split a sum
+# differently run to run; cuBLAS reads it once, at its first call in the process, so it is set
+# when the tests' helpers are imported (collection), before any test uses CUDA. No effect on CPU.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 dynamo = torch._dynamo
 from torch._dynamo.utils import counters  # noqa: E402
@@ -29,6 +36,7 @@ def gpt2(num_layers: int = 3) -> nn.Module:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]] = {
     "gpt2": (gpt2, models.lm_batch),
     "fused_attention": (models.FusedAttention, models.sequence_batch),
+    "high_rank": (models.HighRank, models.vector_batch),
 }
 
 BASE_OPTIONS: dict[str, Any] = dict(offload_devices=("cpu",), min_offload_bytes=0, adaptive=False)
@@ -50,14 +58,26 @@ class Run:
 
 @contextlib.contextmanager
 def deterministic(on: bool = True) -> Iterator[None]:
-    """``torch.use_deterministic_algorithms(on)`` for the block. Inductor's CPU kernel for an
-    embedding's gradient (GPT-2's ``wte``) adds rows with atomics from several threads, so two
-    runs of one compiled model differ in low-order bits; in deterministic mode Inductor calls
-    ATen's ``index_put_`` there instead (torch 2.13)."""
+    """``torch.use_deterministic_algorithms(on)`` and Inductor's ``deterministic`` mode for
+    the block (torch 2.13 source).
+
+    CPU: Inductor's kernel for an embedding's gradient (GPT-2's ``wte``) adds rows with atomics
+    from several threads, so two runs of one compiled model differ in low-order bits; in
+    deterministic mode Inductor calls ATen's ``index_put_`` there instead. That holds on CUDA
+    too (the Triton kernel would use ``atomic_add``; ATen's CUDA ``index_put_`` accumulates
+    sorted indices in order), but there Inductor also picks each Triton reduction's block sizes
+    by timing the candidates and may shrink a reduction's block for occupancy, both changing
+    the order of a sum; a graph with tba's ops has other kernels than the reference (tba's ops
+    split fusions), tuned apart. ``torch._inductor.config.deterministic`` picks configs by
+    rule instead and turns the shrinking off (``triton_heuristics``). torch 2.13's
+    ``use_deterministic_algorithms`` sets that flag itself (so CPU runs are as before); it is
+    set here as well for torch versions whose call does not."""
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(on)
+    inductor = torch._inductor.config.patch(deterministic=True) if on else contextlib.nullcontext()
     try:
-        yield
+        with inductor:
+            yield
     finally:
         torch.use_deterministic_algorithms(before)
 
