@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "copy_engine_d2h_bytes_per_s": copy_engine_d2h_bytes_per_s(args.copy_mib << 20)}
         for mode, row in result["modes"].items():
             print(f"{mode:>5}: reserved {row['reserved_peak_bytes'] / 2**20:.0f} MiB, active "
-                  f"{row['active_peak_bytes'] / 2**20:.0f} MiB, allocated {row['allocated_peak_bytes'] / 2**20:.0f} MiB, "
+                  f"{row['active_peak_bytes'] / 2**20:.0f} MiB, allocated {row['allocated_peak_bytes'] / 2**20:.0f} MiB "
+                  f"(in forward {row['forward_allocated_peak_bytes'] / 2**20:.0f} MiB), "
                   f"retries {row['num_alloc_retries']}, pinned {row['pinned_bytes'] / 2**20:.0f} MiB for "
                   f"{row['peak_held_bytes'] / 2**20:.0f} MiB held")
     with open(args.out, "w") as f:
