@@ -19,6 +19,8 @@ how many saved tensors per step were offloaded and how many stores were cancelle
 machine, possibly all; a store still running when its step ends counts in the step in which it
 finishes), then runs untimed steps whose stores complete before backward and reports
 the bytes one of them wrote and read back (``settled_offloaded_bytes``, ``settled_reloaded_bytes``).
+Once those have run every store of the timed steps has ended, offloaded or cancelled:
+``sent_per_timed_step`` counts them per timed step (every saved tensor, whatever the races).
 
     python benchmarks/hook_overhead.py                      # defaults, prints, writes JSON + TXT
     python benchmarks/hook_overhead.py --rounds 30 --out benchmarks/results/cpu/hook_overhead.json
@@ -154,16 +156,16 @@ def minimal_table() -> Iterator[None]:
         yield
 
 
-def settled_step(step: Callable[[], None], cache: tba.TensorCache) -> tba.CacheStats:
+def settled_step(step: Callable[[], None], cache: tba.TensorCache, repeats: int = 2) -> tba.CacheStats:
     """Untimed steps of ``cache``'s model whose stores all complete before backward (a hook at
     the end of forward waits for them): what a step moves when stores win every race with
-    backward. Returns the stats of the second: the first also counts the stores of the last
-    timed step that were still running when it ended; a settled step leaves none running."""
+    backward. Returns the stats of the last: the first also counts the stores of the step
+    before that were still running when it ended; a settled step leaves none running."""
     model = cache.model
     assert model is not None
     handle = model.register_forward_hook(lambda *_: cache.wait_for_stores(60))
     try:
-        for _ in range(2):
+        for _ in range(repeats):
             step()
     finally:
         handle.remove()
@@ -198,6 +200,7 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
         steps[f"tba {offloader}"] = with_tba
     times, walls, counts, after = interleaved(steps, caches, rounds, warmup)
     settled = {name: settled_step(steps[name], caches[name]) for name in ("tba host", "tba ssd")}
+    final = {name: caches[name].stats(cumulative=True) for name in settled}
     for cache in caches.values():
         cache.close()
     timed = {name: after[name].num_steps - counts[name].num_steps for name in caches}
@@ -216,6 +219,10 @@ def measure(blocks: int, ops: int, width: int, rounds: int, warmup: int, ssd_dir
     for name in ("tba host", "tba ssd"):
         out[name]["offloaded_per_step"] = per_step(name, "num_offloaded")
         out[name]["cancelled_per_step"] = per_step(name, "num_cancelled")
+        # Every store of the timed steps has ended by the end of the settled steps (two, each
+        # with every store completed), offloaded or cancelled: what the timed steps sent.
+        sent = sum(getattr(final[name], f) - getattr(counts[name], f) for f in ("num_offloaded", "num_cancelled"))
+        out[name]["sent_per_timed_step"] = (sent - 2 * settled[name].num_offloaded) / max(timed[name], 1)
         out[name]["settled_offloaded_bytes"] = settled[name].offloaded_bytes
         out[name]["settled_reloaded_bytes"] = settled[name].reloaded_bytes
     soc, bare = out["save_on_cpu"]["per_tensor_us"], out["bare hooks"]["per_tensor_us"]
@@ -230,12 +237,14 @@ def interleaved(
     steps: dict[str, Callable[[], None]], caches: dict[str, tba.TensorCache], rounds: int, warmup: int,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any], dict[str, Any]]:
     """Run ``warmup`` untimed steps of every variant (the tba caches' first steps: pools grown
-    and sized), then ``rounds`` rounds of one timed step each, in a shuffled order per round.
-    Returns the CPU and wall times per variant, in round order, and the caches'
+    and sized) and a settled step of each tba variant, then ``rounds`` rounds of one timed
+    step each, in a shuffled order per round. Returns the CPU and wall times per variant, in round order, and the caches'
     cumulative stats before and after the timed rounds."""
     for _ in range(warmup):
         for step in steps.values():
             step()
+    for name, cache in caches.items():  # no store of the warm-up ends in a timed step
+        settled_step(steps[name], cache, repeats=1)
     counts = {name: cache.stats(cumulative=True) for name, cache in caches.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     walls: dict[str, list[float]] = {name: [] for name in steps}

@@ -19,10 +19,10 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "benchmarks" / "hook_overhead.py"), "--blocks", "2",
          "--ops", "20", "--rounds", "2", "--warmup", "3", "--large-ops", "1", "--real-batches", "1", "--real-rounds", "1", "--real-warmup", "1",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=180, cwd=ROOT,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,  # ~10 s quiet, ~25 s at load 6
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     # sin saves its input and mul saves sin(x) (the weight is a parameter, not packed); the
     # very first sin reads an input that needs no grad and saves nothing.
@@ -38,10 +38,10 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
             # keep_last_modules=0, min_offload_bytes=0: every saved tensor goes to the offloader.
             # In the timed steps its store either ran or was cancelled because backward needed
             # the tensor first (all of them, on a busy machine): which one is the machine's
-            # timing. A store still running when its step ends counts in a later step, so the
-            # sum is not exactly the tensors packed; with one store thread and more than one
-            # saved tensor per step, some store of every step ran or was cancelled within it.
-            assert row["offloaded_per_step"] + row["cancelled_per_step"] > 0, (size, name, row)
+            # timing, and a store still running when its step ends counts in a later step. Once
+            # the settled steps have run, every store of the timed steps has ended, one way or
+            # the other, whatever the machine's load.
+            assert row["sent_per_timed_step"] == packed, (size, name, row)
             # The settled step's stores all completed before backward: every tensor was written
             # and read back.
             assert row["settled_offloaded_bytes"] == row["settled_reloaded_bytes"] == packed * tensor_bytes, (
