@@ -3,6 +3,8 @@ adversarial ones that stress storage identity."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -86,6 +88,23 @@ class Stack(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h).pow(2).mean()
+
+
+class Chain(nn.Module):
+    """Embedding, then ``num_blocks`` of a test's own ``block(width)`` one after another (no
+    head), loss ``mean(h**2)``: Stack's layout around a block that does something odd."""
+
+    def __init__(self, block: Callable[[int], nn.Module], num_blocks: int, width: int = 32,
+                 features: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(block(width) for _ in range(num_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h.pow(2).mean()
 
 
 class FusedAttention(nn.Module):

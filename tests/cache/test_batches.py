@@ -94,7 +94,7 @@ def test_entries_of_every_dtype_and_odd_size_come_back_from_their_batch() -> Non
     """Bit-exact with float64, bfloat16, bool and complex entries of odd sizes in one batch
     (each at an aligned offset, viewed in place in the reloaded buffer)."""
     offloader = CountingHost()
-    cache = run_twins(MixedModel, lambda seed: torch.randn(7, 7, generator=torch.Generator().manual_seed(seed)),
+    cache = run_twins(MixedModel, lambda seed: models.vector_batch(seed, features=7, rows=7),
                       steps=3, settle=True, **_options(offloader))
     assert_bytes_moved(cache)
     assert offloader.stores_now and cache.stats(cumulative=True).num_offloaded > len(offloader.stores_now)
@@ -114,19 +114,6 @@ class Penalised(nn.Module):
         return y + 0.1 * grad.pow(2)
 
 
-class PenalisedModel(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(Penalised(32) for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return h.pow(2).mean()
-
-
 def test_an_entry_wanted_while_its_batch_waits_stays_in_memory() -> None:
     offloader = CountingHost()
     checked: list[list[str]] = []
@@ -134,7 +121,7 @@ def test_an_entry_wanted_while_its_batch_waits_stays_in_memory() -> None:
     def on_configure(cache: tba.TensorCache) -> None:
         cache.add_close_callback(lambda: checked.append(probe(cache).check_invariants()))
 
-    cache = run_twins(PenalisedModel, models.vector_batch, steps=3, settle=True,
+    cache = run_twins(lambda: models.Chain(Penalised, 2), models.vector_batch, steps=3, settle=True,
                       on_configure=on_configure, **_options(offloader))
     stats = cache.stats(cumulative=True)
     assert stats.num_cancelled > 0, "no store was cancelled: the test proves nothing"

@@ -133,25 +133,16 @@ class MutatingBlock(nn.Module):
         return y + h
 
 
-class Mutating(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(MutatingBlock(32) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return h.pow(2).mean()
+def _mutating() -> nn.Module:
+    return models.Chain(MutatingBlock, 3)
 
 
 def test_allow_mutation_on_saved_tensors_works() -> None:
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        Mutating()(models.vector_batch(0)).backward()  # the mutation is an error in plain PyTorch
+        _mutating()(models.vector_batch(0)).backward()  # the mutation is an error in plain PyTorch
     with pytest.warns(UserWarning, match="went to the script's own saved-tensor hooks"):
         # Its pack returns handles, not tensors: nothing for tba to offload, and tba says so.
-        run_twins(Mutating, models.vector_batch, steps=2, settle=True, offloader="host",
+        run_twins(_mutating, models.vector_batch, steps=2, settle=True, offloader="host",
                   around=lambda net: torch.autograd.graph.allow_mutation_on_saved_tensors(),
                   **_CPU)
 
