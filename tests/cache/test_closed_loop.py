@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tba
-from tba.offloaders.host import HostOffloader
+from tba.offloaders import HostOffloader, OffloaderWrapper
 from tba.testing import FakeStepClock, drive_closed_loop, probe
 from tests import models
 from tests.twin import assert_bytes_moved, run_twins
@@ -23,14 +23,14 @@ _BLOCKS = 6  # keep_last_modules=1: the rule may offload blocks [0, 5)
 
 
 # ---------------------------------------------------------------- the cache, injected clock
-class Contended:
+class Contended(OffloaderWrapper):
     """A host offloader whose transfers, while ``seconds_per_byte`` is set, slow the step down
     by that much per byte moved (advancing the fake clock): transfers competing with compute."""
 
-    name = "contended-host"
+    passes_store_now = False  # every store advances the clock, on the store worker
 
     def __init__(self, clock: FakeStepClock) -> None:
-        self.inner = HostOffloader()
+        super().__init__(HostOffloader(), "contended")
         self.clock = clock
         self.seconds_per_byte = 0.0
 
@@ -41,15 +41,6 @@ class Contended:
     def load(self, token, dst: torch.Tensor) -> None:
         self.clock.advance(self.seconds_per_byte * dst.numel())
         self.inner.load(token, dst)
-
-    def release(self, token) -> None:
-        self.inner.release(token)
-
-    def reserve(self, num_bytes: int) -> None:
-        self.inner.reserve(num_bytes)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def test_backs_off_under_contention_and_offloads_again_bit_exact() -> None:
