@@ -19,6 +19,11 @@ def loss_of(output: Any) -> torch.Tensor:
     return output.loss if hasattr(output, "loss") else output[0]
 
 
+def forward_loss(model: Callable[..., Any], batch: Any) -> torch.Tensor:
+    """The loss of ``model`` on ``batch`` (a dict is passed as keyword arguments)."""
+    return loss_of(model(**batch) if isinstance(batch, dict) else model(batch))
+
+
 def run_twins(
     make_model: Callable[[], nn.Module],
     make_batch: Callable[[int], Any],
@@ -47,7 +52,7 @@ def run_twins(
     RNG is reseeded identically before each microbatch of both runs, so dropout masks match
     only if tba consumes no random numbers.
     """
-    forward = forward or (lambda model, batch: loss_of(model(**batch) if isinstance(batch, dict) else model(batch)))
+    forward = forward or forward_loss
     torch.manual_seed(0)
     reference = make_model()
     model = copy.deepcopy(reference)

@@ -15,6 +15,7 @@ import tba
 from tba.compile import Partitioner
 from tba.rok._saved import SavedActivationMeter
 from tests import models
+from tests.twin import forward_loss
 
 # torch.use_deterministic_algorithms(True) asks cuBLAS (CUDA >= 10.2) for a fixed workspace
 # configuration, without which it may raise on a matmul and cuBLAS may split a sum
@@ -82,10 +83,6 @@ def deterministic(on: bool = True) -> Iterator[None]:
         torch.use_deterministic_algorithms(before)
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    return output if isinstance(output, torch.Tensor) else output.loss
-
-
 @contextlib.contextmanager
 def reports() -> Iterator[list[Any]]:
     """The ``GraphReport`` of every graph tba's backend rewrites while the block runs."""
@@ -140,7 +137,7 @@ def joint_of(model_name: str, **tba_options: Any) -> Joint:
     try:
         compiled = torch.compile(model, backend="tba", fullgraph=True, options={"inner": "aot_eager"})
         batch = make_batch(0)
-        loss_of(compiled(**batch) if isinstance(batch, dict) else compiled(batch))
+        forward_loss(compiled, batch)
     finally:
         Partitioner.__call__ = original  # type: ignore[method-assign]
     joint = found[0]
@@ -179,7 +176,7 @@ def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, st
                 torch.manual_seed(step)
                 with _measuring(meter, step == steps - 1):
                     batch = _to(make_batch(step), device)
-                    loss = loss_of(compiled(**batch) if isinstance(batch, dict) else compiled(batch))
+                    loss = forward_loss(compiled, batch)
                     if cache is not None and settle:
                         cache.wait_for_stores(60)
                     loss.backward()
