@@ -7,10 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,9 +41,7 @@ def _alive(pid: int) -> bool:
 
 def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
     """The ``pids`` still running after ``timeout_s`` (polled; empty as soon as all ended)."""
-    deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not any(_alive(p) for p in pids), timeout_s, interval_s=0.05)
     return [p for p in pids if _alive(p)]
 
 

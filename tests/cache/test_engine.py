@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 import weakref
 
 import pytest
@@ -18,6 +17,7 @@ from tba.cache.tensor_cache import TensorCache
 from tba.testing import probe
 from tests import models
 from tests.cache.fakes import FakeOffloader, bare_engine
+from tests.waits import wait_until
 
 JOIN_S = 30.0
 
@@ -348,7 +348,7 @@ def test_a_reserve_asked_while_loads_are_queued_runs_when_they_are_done() -> Non
         # The store worker wakes for the reserve, finds a load queued and waits again.
         # (CPython's Condition keeps its waiters in ``_waiters``: the only way to see that.)
         waiters = engine._store_ready._waiters
-        assert wait_until(lambda: len(waiters) > 0), "the store worker never waited"
+        assert wait_until(lambda: len(waiters) > 0, JOIN_S), "the store worker never waited"
         offloader.load_gate.set()
         engine.wait_for_stores(JOIN_S)  # with the bug: "0 bytes of stores still in flight"
         assert offloader.reserved == [4096]
@@ -399,15 +399,6 @@ def test_wait_for_stores_waits_for_a_running_reserve() -> None:
         del handle
         engine.drain()
         engine.close()
-
-
-def wait_until(condition, timeout_s: float = JOIN_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
 
 
 def test_a_dead_worker_surfaces_in_every_step(monkeypatch: pytest.MonkeyPatch) -> None:

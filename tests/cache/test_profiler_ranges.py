@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from tba.cache.observe import profiler_ranges
 from tba.cache.observe.profiler_ranges import LoadDone
 from tests import models
 from tests.cache.fakes import FakeOffloader
+from tests.waits import wait_until
 
 _all_threads = pytest.importorskip("torch._C._profiler")._ExperimentalConfig
 
@@ -41,10 +41,8 @@ class StallingOffloader(FakeOffloader):
     def load(self, token: int, dst: torch.Tensor) -> None:
         if self.first:
             self.first = False
-            deadline = time.monotonic() + 30
-            while not _waiting_for_a_load(self.training_thread):
-                assert time.monotonic() < deadline, "the training thread never waited for a load"
-                time.sleep(0.001)
+            assert wait_until(lambda: _waiting_for_a_load(self.training_thread), 30), (
+                "the training thread never waited for a load")
         super().load(token, dst)
 
 
