@@ -200,7 +200,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     memory = StepMemory(cuda)
     memory.take_baseline()
-    times, all_stats, tail_starts, offloaded, cancelled = [], [], [], [], []
+    times, all_stats, tail_starts = [], [], []
     loss = float("nan")
     counted: dict[str, Any] = {}
     warmup = Warmup(spec["warmup_steps"], cache, deciding(options))
@@ -238,8 +238,6 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
             if cache is not None:
                 all_stats.append(cache.stats())
                 tail_starts.append(tail_start(cache))
-                offloaded.append(all_stats[-1].offloaded_bytes)
-                cancelled.append(all_stats[-1].num_cancelled)
         decision = _decision(cache)
     finally:
         if cache is not None:
@@ -275,10 +273,10 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         row.update(offloader=options["offloader"], adaptive=options.get("adaptive", True), **decision)
         if "activation_budget_bytes" in options:
             row["activation_budget_bytes"] = options["activation_budget_bytes"]
-        row["cache_offloaded_bytes_per_step"] = offloaded
+        row["cache_offloaded_bytes_per_step"] = [s.offloaded_bytes for s in all_stats]
         # Stores backward cancelled because it needed the tensor first (on a busy machine,
         # possibly every store of a step): with the bytes offloaded, what the step sent.
-        row["cache_num_cancelled_per_step"] = cancelled
+        row["cache_num_cancelled_per_step"] = [s.num_cancelled for s in all_stats]
         if any(t is not None for t in tail_starts):
             row["decision_tail_start_per_step"] = tail_starts
         if warmup.unsettled:
