@@ -107,10 +107,8 @@ def passes_text(num_run: int, num_planned: int) -> str:
         >>> passes_text(3, 3), passes_text(1, 3)
         ('3 interleaved passes', '1 pass of 3 planned (the others not run)')
     """
-    if num_run >= num_planned:
-        return f"{num_run} interleaved passes" if num_run > 1 else "1 pass"
-    return (f"{num_run} interleaved passes" if num_run > 1 else "1 pass") + (
-        f" of {num_planned} planned (the others not run)")
+    ran = f"{num_run} interleaved passes" if num_run > 1 else "1 pass"
+    return ran if num_run >= num_planned else f"{ran} of {num_planned} planned (the others not run)"
 
 
 def _not_run(p: dict[str, Any]) -> str:
