@@ -68,9 +68,7 @@ class Throttled(OffloaderWrapper):
             for name, value in (("write_bytes_per_s", write_bytes_per_s), ("read_bytes_per_s", read_bytes_per_s))
             if value is not None and not (isinstance(value, (int, float)) and value > 0)
         ]
-        if offloader not in ("host", "ssd") if isinstance(offloader, str) else not isinstance(
-            offloader, Offloader
-        ):
+        if not (offloader in ("host", "ssd") or isinstance(offloader, Offloader)):
             problems.append(f"offloader={offloader!r}: expected 'host', 'ssd' or an Offloader")
         if problems:  # before an offloader is built: a refused one leaves no directory behind
             raise ValueError("invalid tba.offloaders.Throttled:\n" + "\n".join(f"  - {p}" for p in problems))
