@@ -47,6 +47,15 @@ def test_throttled_stores_are_never_inline() -> None:
     assert Throttled("host").name == "throttled(host)"
 
 
+@pytest.mark.parametrize("offloader", ["nvme", object()])
+def test_throttled_refuses_what_is_not_an_offloader_with_every_problem(offloader: object) -> None:
+    with pytest.raises(ValueError) as refused:
+        Throttled(offloader, read_bytes_per_s=0)  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert "invalid tba.offloaders.Throttled" in message
+    assert "expected 'host', 'ssd' or an Offloader" in message and "read_bytes_per_s=0" in message
+
+
 def test_a_throttled_pool_is_checked_after_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # Note [Cache invariants]: with used_bytes passed through, the cache sees what the inner
     # pool holds (0 once every entry is gone).
