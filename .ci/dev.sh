@@ -36,7 +36,9 @@ fi
 # Pin whatever torch is installed so no dependency can upgrade it.
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-python -c "import torch; print('torch==' + torch.__version__.split('+')[0])" >"$constraints"
+# From the installed package's metadata: importing torch here, before numpy is installed,
+# printed torch's "Failed to initialize NumPy" warning in every fresh set-up.
+python -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" >"$constraints"
 if [ "$what" = main ]; then
   pip install -q --no-compile -c "$constraints" -e ".[bench]"
   rm -f "$constraints"  # exec skips the EXIT trap
