@@ -154,7 +154,7 @@ class TensorCache:
         # (it does not import the capture side): this is where the two types meet.
         engine.on_records_dead = cast("Callable[[list[SavedRecord]], None]", tracker.records_dead)
         self._saved = SavedTensors(
-            engine, tracker, frozenset(config.offload_devices), offloader is not None,
+            engine, tracker, self._steps, frozenset(config.offload_devices), offloader is not None,
             config.min_offload_bytes,
         )
         # What set_stage saw, in order (bounded): the integrations' tests compare it with the
@@ -347,7 +347,6 @@ class TensorCache:
                 self._check_invariants()
             return
         self._steps.finish(step, engine.peak_held_bytes)
-        saved.profile = self._steps.profile
         hooks = self._hooks()
         diagnosis = self._diagnosis
         if diagnosis.warning is None:

@@ -197,9 +197,9 @@ class CacheHooks:
         """A forward of ``model`` opens its record on this thread (lock held): the step, the
         profile, the tail. The eager forward's saved-tensor hooks, or the store ops of a graph
         compiled by ``backend="tba"`` (tba/cache/capture/compiled.py), then save into it."""
-        saved, steps = self.saved, self.steps
+        steps = self.steps
         # Note [Parameter storages, checked not rebuilt]
-        saved.param_ptrs = self.parameter_storages.current(model)
+        self.saved.param_ptrs = self.parameter_storages.current(model)
         record, opened = self.tracker.begin_forward()
         profile = steps.profile
         steps.begin_forward(inputs, opened)
@@ -208,7 +208,6 @@ class CacheHooks:
         record.in_tail = self.tracker.boundary.keep_all
         if steps.profile is not profile and steps.profile is not None:
             self.run_order.start()  # Note [Blocks in run order]: observed again with each profile
-        saved.profile = steps.profile
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         state = self.tracker.local

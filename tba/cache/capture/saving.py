@@ -2,8 +2,8 @@
 come back).
 
 Autograd keeps the hook pair with every tensor it saves, so a live graph holds this object: it
-refers to the engine and the tracker, never to the cache, its hooks or the model (Note [Graphs
-do not own the model] in tba/cache/steps/scopes.py).
+refers to the engine, the tracker and the steps, never to the cache, its hooks or the model
+(Note [Graphs do not own the model] in tba/cache/steps/scopes.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from tba.cache.steps.tracker import StepTracker
 from tba.errors import TBAError
 
 if TYPE_CHECKING:
-    from tba.cache.policy.profile import StepProfile
     from tba.cache.steps.scopes import Scope
+    from tba.cache.steps.steps import Steps
 
 __all__ = ["SavedTensors"]
 
@@ -81,6 +81,7 @@ class SavedTensors:
     Args:
         engine: the entries' owner.
         tracker: the records, scopes and this thread's forward.
+        steps: its ``profile``, while a step profile is taken, counts the bytes saved per block.
         devices: device types whose tensors are managed.
         offloading: whether the cache has an offloader.
         min_offload_bytes: smaller storages are never offloaded (for the profile's counts).
@@ -90,12 +91,14 @@ class SavedTensors:
         self,
         engine: Engine,
         tracker: StepTracker,
+        steps: Steps,
         devices: frozenset[str],
         offloading: bool,
         min_offload_bytes: int,
     ) -> None:
         self.engine = engine
         self.tracker = tracker
+        self._steps = steps
         self._devices = devices
         # ``tensor.device`` builds a torch.device per call; the common cases use the tensor's
         # cheap predicates instead.
@@ -103,7 +106,6 @@ class SavedTensors:
         self._offloading = offloading
         self._min_offload_bytes = min_offload_bytes
         self.param_ptrs: frozenset[int] = frozenset()
-        self.profile: StepProfile | None = None  # while a step profile is taken
         self.closed = False
         self.num_captured = 0
         self.num_record_stream = 0
@@ -170,7 +172,7 @@ class SavedTensors:
             tensor, storage, root, scope, scope.record,
             self._offloading and not scope.keep and forward.skip_depth == 0,
         )
-        if self.profile is not None:
+        if self._steps.profile is not None:
             entry = handle.entry
             if entry() is handle:  # a new entry (Note [One object per new entry])
                 self.profile_bytes(scope, entry.nbytes)
@@ -186,7 +188,7 @@ class SavedTensors:
     def profile_bytes(self, scope: Scope, nbytes: int) -> None:
         """A new entry of ``nbytes`` in ``scope``: count it in the step profile, if one is
         taken and the entry could be offloaded."""
-        profile = self.profile
+        profile = self._steps.profile
         if profile is not None and scope.unit is not None:
             block = scope.unit.block_index
             if block is not None and nbytes >= self._min_offload_bytes:

@@ -126,17 +126,20 @@ class InlineBatches:
                 entries.append(entry)
         if not entries:
             return
-        total = sum(_aligned(entry.nbytes) for entry in entries)
+        offsets = []  # of each entry in the batch
+        total = payload = 0
+        for entry in entries:
+            offsets.append(total)
+            total += _aligned(entry.nbytes)
+            payload += entry.nbytes
         start = time.perf_counter()
         token, failure = None, None
         try:
             with transfer_range("store", entries[0]):
                 staging = torch.UntypedStorage(total)
                 base = staging.data_ptr()
-                offset = 0
-                for entry in entries:
+                for entry, offset in zip(entries, offsets):
                     ctypes.memmove(base + offset, entry.data.data_ptr(), entry.nbytes)  # type: ignore[union-attr]
-                    offset += _aligned(entry.nbytes)
                 token = self._store_now(staging)
         except Exception as exc:  # raised in the training step, never swallowed
             failure = exc
@@ -152,15 +155,12 @@ class InlineBatches:
         # Note [Inline CPU time]: an inline copy never blocks, so its wall time is its CPU time.
         self.step.io_cpu_s += end - start
         self.step.write_s += end - start
-        payload = sum(entry.nbytes for entry in entries)
         self.trace.span("store", start, end, payload, True)
         batch = Batch(token, total, payload, len(entries))
-        offset = 0
-        for entry in entries:
+        for entry, offset in zip(entries, offsets):
             xfer = entry.xfer
             assert xfer is not None
             xfer.token, xfer.data_offset = batch, offset
-            offset += _aligned(entry.nbytes)
             self._apply(entry, E.STORED_BATCH)
             self._let_go(entry)
 
