@@ -90,16 +90,20 @@ def _parse(mode: str | None, options: dict[str, Any] | None) -> tuple[str, dict[
     return inner, patches
 
 
+def _configured_models(ids: set[int]) -> list[tuple[nn.Module, TensorCache]]:
+    """The models with an open tensor cache that own a parameter or buffer in ``ids``."""
+    return [
+        (module, cache) for module, cache in registry.registered()
+        if isinstance(cache, TensorCache) and not cache.closed
+        and any(id(t) in ids for t in itertools.chain(module.parameters(), module.buffers()))
+    ]
+
+
 def _find_cache(gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[nn.Module, TensorCache] | None:
     """The configured model whose parameters or buffers the graph takes, with its cache."""
     ids = {id(t) for t in example_inputs if isinstance(t, torch.Tensor)}
     ids.update(id(t) for t in itertools.chain(gm.parameters(), gm.buffers()))
-    found = []
-    for module, cache in registry.registered():
-        if not isinstance(cache, TensorCache) or cache.closed:
-            continue
-        if any(id(t) in ids for t in itertools.chain(module.parameters(), module.buffers())):
-            found.append((module, cache))
+    found = _configured_models(ids)
     if len(found) > 1:
         names = ", ".join(type(module).__name__ for module, _ in found)
         raise TBAError(
@@ -216,20 +220,19 @@ def _refuse_later_cache(compiled: Callable[..., Any], gm: fx.GraphModule,
                         example_inputs: list[Any]) -> Callable[..., Any]:
     """``compiled``, raising once a model whose parameters the graph takes gets a cache: the
     graph has no store ops and would silently offload nothing."""
-    tensors = [t for t in itertools.chain(example_inputs, gm.parameters(), gm.buffers())
-               if isinstance(t, torch.Tensor)]
-    refs = [weakref.ref(t) for t in tensors if isinstance(t, nn.Parameter)]
+    refs = [weakref.ref(t) for t in itertools.chain(example_inputs, gm.parameters())
+            if isinstance(t, nn.Parameter)]
 
     def check() -> None:
         ids = {id(t) for t in (ref() for ref in refs) if t is not None}
-        for module, cache in registry.registered():
-            if isinstance(cache, TensorCache) and any(id(p) in ids for p in module.parameters()):
-                raise TBAError(
-                    f"tba: {type(module).__name__} was compiled with backend=\"tba\" before "
-                    "tba.configure_tensor_cache was called on it, so its compiled graphs offload "
-                    "nothing; call torch.compiler.reset() after configuring (the next call "
-                    "compiles again, with tba's ops), or configure before the first compiled call"
-                )
+        found = _configured_models(ids)
+        if found:
+            raise TBAError(
+                f"tba: {type(found[0][0]).__name__} was compiled with backend=\"tba\" before "
+                "tba.configure_tensor_cache was called on it, so its compiled graphs offload "
+                "nothing; call torch.compiler.reset() after configuring (the next call "
+                "compiles again, with tba's ops), or configure before the first compiled call"
+            )
 
     if not refs:
         return compiled

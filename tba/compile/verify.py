@@ -18,6 +18,7 @@ tests/compile/test_verify.py (each rule broken by hand) and by every compile in 
 from __future__ import annotations
 
 import operator
+from typing import NoReturn
 
 import torch
 from torch import fx
@@ -28,7 +29,7 @@ from tba.compile.plan import reads, storage_key
 __all__ = ["check_forward", "check_backward"]
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     raise AssertionError(f"tba bug: {message} (Note [Checked placement] in tba/compile/verify.py)")
 
 
@@ -59,7 +60,6 @@ def check_forward(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
         key = keys.pop()
         if key is None:
             _fail(f"{store.name} stores a value that is no tensor")
-            continue
         if key in excluded:
             _fail(f"{store.name} stores a view of a graph input or of a user output")
         if key in stored:

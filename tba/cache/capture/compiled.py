@@ -199,10 +199,7 @@ class CompiledForwards:
         if ptr == 0 or ptr in saved.param_ptrs:
             return [(tensor, tensor._version) for tensor in tensors]
         forward = saved.tracker.local.forward
-        units = forward.units
-        scope = units[-1][1] if units else None
-        if scope is None:
-            scope = forward.scope()
+        scope = forward.scope()
         offload = saved.offloading and not scope.keep and forward.skip_depth == 0
         views = [compat.view_on_storage(storage, t.dtype, t.size(), t.stride(),
                                         int(t.storage_offset())) for t in tensors]

@@ -146,14 +146,14 @@ class CacheHooks:
 
     # ------------------------------------------------------------------ module hooks
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        # Under backend="tba" the model's own hooks run eagerly around its compiled forward:
-        # they open its record and enter no saved-tensor hooks; the graphs' store ops save
-        # into it (Note [The cache under compiled graphs] in tba/cache/capture/compiled.py).
-        compiled = compat.running_for_tba()
         if not torch.is_grad_enabled() or compat.in_backward():
             if self.on_forward_skipped is not None:
                 self.on_forward_skipped(compat.in_backward())
             return
+        # Under backend="tba" the model's own hooks run eagerly around its compiled forward:
+        # they open its record and enter no saved-tensor hooks; the graphs' store ops save
+        # into it (Note [The cache under compiled graphs] in tba/cache/capture/compiled.py).
+        compiled = compat.running_for_tba()
         if not compiled and compat.in_functorch_transform():
             self.saved._functorch_note()
             return  # torch.func refuses saved-tensor hooks: autograd keeps everything
