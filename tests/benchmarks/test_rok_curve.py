@@ -313,6 +313,7 @@ def test_adaptive_strategy_decides_before_it_is_measured():
     # step it finished in, so a keep step may show one: only offloading decisions are checked.)
     assert row["decision_tail_start_per_step"] == [row["decision_tail_start"]] * 2
     if row["decision_tail_start"] > 0:
+        assert len(row["cache_offloaded_bytes_per_step"]) == len(row["cache_num_cancelled_per_step"]) == 2, row
         assert all(b > 0 or c > 0 for b, c in zip(row["cache_offloaded_bytes_per_step"],
                                                   row["cache_num_cancelled_per_step"])), row
 
@@ -334,7 +335,7 @@ def test_budget_strategy_meets_its_budget(monkeypatch):
     row = _rok_worker.run_point(dict(spec, strategy="budget", activation_budget_bytes=budget))
     assert row["status"] == "ok", row
     assert row["activation_budget_bytes"] == budget and row["offloader"] == "host"
-    assert all(b > 0 for b in row["cache_offloaded_bytes_per_step"])
+    assert len(row["cache_offloaded_bytes_per_step"]) == 2 and all(b > 0 for b in row["cache_offloaded_bytes_per_step"]), row
     assert row["cache_peak_resident_bytes"] <= budget and row["budget_met"] is True
     assert row["decision_tail_start"] is not None and "budget" in row["decision_reason"]
 
