@@ -188,7 +188,13 @@ def backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None =
         compiled = _compile(gm, example_inputs, inner, patches, None)
         return _refuse_later_cache(compiled, gm, example_inputs)
     model, cache = found
-    partitioner = Partitioner(model, cache, input_paths=_input_paths(gm))
+    # Markers (Note [Units at run time] in plan.py) only from the configured model's own
+    # parameters: a wrapper's tell nothing of where the frame is in the model, and a marker
+    # no cache owns then means another instance of the model's class runs the graph.
+    owned = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    paths = tuple(path if i < len(example_inputs) and id(example_inputs[i]) in owned else None
+                  for i, path in enumerate(_input_paths(gm)))
+    partitioner = Partitioner(model, cache, input_paths=paths)
     compiled = _compile(gm, example_inputs, inner, patches, partitioner)
     reports = partitioner.reports
     if reports and not any(r.num_groups for r in reports) and any(r.num_off_device for r in reports):

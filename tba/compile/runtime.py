@@ -74,8 +74,10 @@ _graph_ids = itertools.count()
 # own graph breaks make Dynamo compile a block's frame): the model a graph was compiled for is
 # not the one it runs for. The first store of a run finds the cache from its marker parameter
 # (Note [Units at run time] in plan.py), the model it belongs to; a graph without parameter
-# inputs uses the model it was compiled for. Tested by tests/compile/test_backend.py (two
-# models, one graph).
+# inputs uses the model it was compiled for. Markers are parameters of the configured model, so
+# a marker no cache owns belongs to an instance of the model's class that was not configured:
+# refused, never saved into the other model's cache. Tested by tests/compile/test_backend.py
+# (two models, one graph; one of them without a cache).
 
 
 def fingerprint(cache: TensorCache) -> tuple[object, ...]:
@@ -111,13 +113,30 @@ def _owner(marker: torch.Tensor) -> TensorCache | None:
     return cache
 
 
+def _holds(model: nn.Module | None, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` shares storage with a parameter or buffer of ``model``."""
+    if model is None:
+        return False
+    ptr = tensor.data_ptr()
+    return any(t.data_ptr() == ptr for t in itertools.chain(model.parameters(), model.buffers()))
+
+
 def _seam(graph_id: int, marker: torch.Tensor | None) -> CompiledForwards:
     """The cache of the model the graph runs for now (Note [Whose graph is it]; configuring
     again after compiling works when the plan's options are unchanged)."""
     info = _graphs[graph_id]
     cache = _owner(marker) if marker is not None else None
+    model = info.model()
+    if cache is None and marker is not None and not _holds(model, marker):
+        # Markers are parameters of the configured model (plan.py): this one's module is
+        # another instance of its class, which shares the graph but has no cache.
+        raise TBAError(
+            "tba: a graph compiled with backend=\"tba\" for a model with a tensor cache ran for "
+            "another instance of its class that has none (Dynamo shares one graph among "
+            "instances); configure that model too (tba.configure_tensor_cache), or compile it "
+            "with another backend"
+        )
     if cache is None:
-        model = info.model()
         found = registry.get(model) if model is not None else None
         cache = found if isinstance(found, TensorCache) else None
     if cache is None or cache.closed:

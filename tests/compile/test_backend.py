@@ -244,6 +244,10 @@ def test_the_policy_moves_the_boundary_at_run_time_without_recompiling() -> None
     first, *later = run.step_offloaded
     assert later[0] == later[1] < first / 10, run.step_offloaded
     assert run.decision is not None and run.decision.tail_start == 0, run.decision
+    # Each compiled store group was saved under its block's unit: the profile has every
+    # block's bytes (the policy decides from them).
+    block_bytes = run.decision.block_bytes
+    assert len(block_bytes) == run.decision.num_blocks > 1 and all(b > 0 for b in block_bytes), block_bytes
     assert run.num_graphs == 1 and run.breaks == {}
 
 
@@ -264,6 +268,26 @@ def test_one_graph_for_two_models_offloads_each_into_its_own_cache() -> None:
     finally:
         for cache in caches:
             cache.close()
+
+
+def test_an_instance_without_a_cache_running_the_shared_graph_is_refused() -> None:
+    """Note [Whose graph is it]: the graph compiled for a configured model also serves another
+    instance of its class that has no cache; its steps must not land in the first model's
+    cache (they did: the graph fell back to the model it was compiled for)."""
+    first, second = _Breaks(), _Breaks()
+    cache = tba.configure_tensor_cache(first, **OPTIONS)
+    try:
+        runners = [_compiled(m) for m in (first, second)]
+        _step(runners[0], cache=cache)
+        before = cache.stats(cumulative=True)
+        with pytest.raises(tba.TBAError, match="another instance of its class that has none"):
+            _step(runners[1])
+        after = cache.stats(cumulative=True)
+        assert (after.num_steps, after.offloaded_bytes) == (before.num_steps, before.offloaded_bytes)
+        _step(runners[0], cache=cache)  # the configured model trains on
+        assert cache.stats(cumulative=True).num_steps == before.num_steps + 1
+    finally:
+        cache.close()
 
 
 def test_graphs_with_offload_stay_out_of_torch_compile_caches() -> None:
