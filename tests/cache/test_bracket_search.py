@@ -67,12 +67,16 @@ def test_a_pass_below_the_top_pools_the_larger_boundaries_pairs() -> None:
     assert ", at most +3.0% at 90% confidence" not in verdict.describe(0.05, 0.9)  # = its high
 
 
-def test_worth_it_is_judged_on_the_median() -> None:
-    # One block of twelve saves 8.3%: worth 1.67%. A median of +1.5% passes though a pair
-    # reads +4% (within the 5% budget); a median of +1.8% is not worth it.
+def test_worth_it_is_judged_on_the_median_and_its_bound() -> None:
+    # One block of twelve saves 8.3%: worth 1.67%. A median of +1.5% with a pair reading +4%
+    # (within the 5% budget, over the worth-it limit) does not pass: the bound must be within
+    # the limit too, or a boundary just over what it is worth passes on noise (above the best).
     search = _search(top=1)
     assert search.limit(1) == pytest.approx(0.1 / 6)
-    verdict = search.judge(1, *_pairs(0.015, 0.015, 0.04, 0.01), pairs_left=1)
+    assert search.judge(1, *_pairs(0.015, 0.015, 0.04, 0.01), pairs_left=1) is None
+    verdict = search.judge(1, *_pairs(0.015, 0.015, 0.04, 0.01, 0.012), pairs_left=0)
+    assert verdict.outcome == "undecided"
+    verdict = _search(top=1).judge(1, *_pairs(0.015, 0.015, 0.016, 0.01), pairs_left=1)
     assert verdict.outcome == "pass"
     verdict = _search(top=1).judge(1, *_pairs(0.018, 0.018, 0.018), pairs_left=2)
     assert verdict.outcome == "not worth it"

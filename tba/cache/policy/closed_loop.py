@@ -25,7 +25,7 @@ bytes. It is worth a step-time overhead of at most ``s / min_saving_per_overhead
 5: each 1% of step time must take at least 5% of the blocks' activation bytes out of memory;
 at the 5% budget a boundary must save 25%, one block of twelve, 8.3%, may cost 1.7%): a
 boundary's *limit* is the smaller of that and ``max_overhead``: a boundary passes when its median
-is within its limit and an upper bound on it within ``max_overhead`` (Note [Bracket search]).
+and an upper bound on it are within its limit (Note [Bracket search]).
 When nothing qualifies every block is kept (the keep steps have shown there is memory for it).
 
 *A check* searches ``[0, c]``, ``c`` first (where transfers hide, the rule is right), by a
