@@ -181,12 +181,15 @@ def test_untampered_training_is_bit_exact_with_verification_on(tmp_path: Path) -
 def test_load_of_a_freed_and_reused_extent_raises(tmp_path: Path, verify: str) -> None:
     off = SSDOffloader(dirs=(tmp_path,), engine="posix", slab_bytes=1 << 20, verify=verify)
     try:
-        first = off.store(torch.ones(8192, dtype=torch.uint8))
+        # One source for both stores: the same page offset in memory, so the same pages on disk
+        # (Note [Direct windows]).
+        ones = torch.ones(8192, dtype=torch.uint8)
+        first = off.store(ones)
         extent = first.extents[0]
         # A bug elsewhere frees the extent behind the token's back; the next store reuses it,
         # with the very same bytes, so no checksum could tell.
         extent.slab_dir.free(extent.slab, extent.file_offset, extent.serial)
-        second = off.store(torch.ones(8192, dtype=torch.uint8))
+        second = off.store(ones)
         assert second.extents[0].file_offset == extent.file_offset
         with pytest.raises(OffloadIOError, match="freed and given to another tensor") as info:
             off.load(first, torch.empty(8192, dtype=torch.uint8))
