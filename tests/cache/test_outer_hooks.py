@@ -120,16 +120,26 @@ def test_save_on_cpu_as_the_outer_pair(offloader: str, tmp_path) -> None:
 
 class MutatingBlock(nn.Module):
     """Modifies a tensor saved for backward in place: an error in plain PyTorch, allowed under
-    ``allow_mutation_on_saved_tensors`` (which clones the original first)."""
+    ``allow_mutation_on_saved_tensors`` (which clones the original first).
+
+    The block keeps the mutated tensor until its next forward. torch's context knows a saved
+    tensor by (id, data_ptr, version) (``torch.autograd.graph._get_tid``): once the mutated
+    tensor dies, a later tensor that gets its id and its memory at version 0 is taken for it,
+    and backward reads the clone of the wrong tensor. Plain PyTorch without tba got a wrong
+    gradient of this model in 1 of 2000 steps that way, and run_twins then failed in whichever
+    twin it hit (1 of about 12 full loaded runs; 6 of 200 twin runs with a probe that moved the
+    allocations). Kept alive, nothing can take its place within the step."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.lin = nn.Linear(width, width)
+        self.mutated: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
         y = h * h  # saves h
         h.mul_(0.5)
+        self.mutated = h
         return y + h
 
 
