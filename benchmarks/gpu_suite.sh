@@ -45,12 +45,9 @@ fi
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 RESULTS="$(mkdir -p "$1" && cd "$1" && pwd)"
-WHEELS="${2:-${TBA_WHEEL_DIR:-}}"
-if [[ -z "$WHEELS" ]]; then
-    for d in "$SCRIPT_DIR/wheels" "$REPO/.whl" "$SCRIPT_DIR"; do
-        if compgen -G "$d/*.whl" >/dev/null; then WHEELS="$d"; break; fi
-    done
-fi
+# shellcheck source=benchmarks/_suite_install.sh
+source "$SCRIPT_DIR/_suite_install.sh"
+WHEELS="$(wheel_dir "${2:-}")"
 PYTHON="${PYTHON:-python3}"
 BUDGET_S="${SUITE_BUDGET_S:-570}"
 TINY="${SUITE_TINY:-0}"
@@ -106,39 +103,6 @@ verdict() {
 
 # ---- install ---------------------------------------------------------------------------
 VENV="$RESULTS/venv"
-install() {
-    set -e
-    # Sees PYTHON's packages also when PYTHON is a venv's (Note [A venv made from a venv]).
-    "$PYTHON" "$SCRIPT_DIR/_suite_venv.py" "$VENV"
-    local py="$VENV/bin/python"
-    local pip=("$py" -m pip install --no-index --disable-pip-version-check)
-    if [[ -n "$WHEELS" ]]; then
-        pip+=(--find-links "$WHEELS")
-        # kvikio without its CUDA-toolkit dependency chain (~6 MB instead of ~1.4 GB of CUDA libraries).
-        local gds=()
-        for name in kvikio_cu13 libkvikio_cu13 rapids_logger cuda_pathfinder nvidia_cufile; do
-            compgen -G "$WHEELS/${name}-*.whl" >/dev/null && gds+=("${name//_/-}")
-        done
-        if ((${#gds[@]})); then "${pip[@]}" --no-deps "${gds[@]}"; fi
-    fi
-    local target="tba"
-    if [[ -z "$WHEELS" ]] || ! compgen -G "$WHEELS/tba-*.whl" >/dev/null; then
-        echo "no tba wheel in '${WHEELS:-<none>}': building tba from $REPO (needs scikit-build-core, cmake)"
-        pip+=(--no-build-isolation)
-        target="$REPO"
-    fi
-    # The extras bring pytest, transformers and matplotlib; without their wheels, tba alone.
-    "${pip[@]}" "$target[test,bench]" || {
-        echo "WARNING: extras [test,bench] not installable from the wheels; installing tba alone"
-        "${pip[@]}" "$target"
-    }
-    "$py" - <<'EOF'
-import torch, tba
-gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no usable GPU (GPU rows will SKIP)"
-print("tba", tba.__version__, "from", tba.__file__, "| torch", torch.__version__, "cuda", torch.version.cuda,
-      "|", gpu)
-EOF
-}
 log "results in $RESULTS; wheels from ${WHEELS:-<none>}; python $PYTHON; budget ${BUDGET_S}s; tiny=$TINY"
 if [[ "${SUITE_SKIP_INSTALL:-0}" == 1 ]]; then
     skip install "SUITE_SKIP_INSTALL=1"

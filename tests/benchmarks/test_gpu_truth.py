@@ -1,0 +1,155 @@
+"""benchmarks/gpu_truth.py: its tiny mode runs the GPU script's code on CPU (every phase and
+strategy, the verdict, the archive), and its rules are checked on injected rows: a row meant
+to offload that moved nothing fails, cache accounting more than 10% off the allocator is
+flagged, a deciding row must state its decision."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _truth_snapshot  # noqa: E402
+import _truth_verdict as verdict  # noqa: E402
+
+# The tiny run, with two faults planted from outside: the ssd strategy's offloader moves
+# nothing (offloader="none") and recompute's set-up runs out of memory.
+_DRIVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {bench!r})
+    import torch
+    import _truth_run as run
+    original_options, original_build = run.cache_options, run.build
+
+    def cache_options(name, ctx):
+        options = original_options(name, ctx)
+        if name == "ssd":
+            options = {{k: v for k, v in options.items() if k != "ssd_dirs"}}
+            options["offloader"] = "none"
+        return options
+
+    def build(phase, name, ctx):
+        if name == "recompute":
+            raise torch.OutOfMemoryError("planted: CUDA out of memory")
+        return original_build(phase, name, ctx)
+
+    run.cache_options, run.build = cache_options, build
+    import gpu_truth
+    sys.exit(gpu_truth.main({argv!r}))
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("truth")
+    argv = [str(out), "--tiny", "--steps", "5", "--warmup", "1", "--ssd-dir", str(out.parent / "ssd")]
+    proc = subprocess.run([sys.executable, "-c", _DRIVER.format(bench=str(BENCH), argv=argv)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_truth.tar.gz", "summary.md"], proc.stderr[-3000:]
+    with tarfile.open(out / "gpu_truth.tar.gz") as tar:
+        names = tar.getnames()
+        member = tar.extractfile("gpu_truth/results.json")
+        assert member is not None
+        results = json.load(member)
+    assert {"gpu_truth/summary.md", "gpu_truth/progress.log", "gpu_truth/cache_summaries.txt",
+            "gpu_truth/snapshots_skipped.txt"} <= set(names)
+    return out, results, (out / "summary.md").read_text(), proc
+
+
+def test_tiny_run_measures_every_strategy_and_fails_what_moved_nothing(tiny_run) -> None:
+    out, results, summary, proc = tiny_run
+    rows = {(r["phase"], r["name"]): r for r in results["rows"]}
+    phases = {r["phase"] for r in results["rows"]}
+    assert phases == {"main b8", "main b16", "hide", "compiled"}
+    for phase in ("main b8", "main b16"):
+        assert {name for p, name in rows if p == phase} == {"keep", "recompute", "host", "ssd", "host+ssd",
+                                                             "defaults", "budget"}
+        for name in ("host", "host+ssd", "budget"):
+            row = rows[(phase, name)]
+            assert row["status"] == "ok" and row["steps"] == 5, row
+            assert row["offloaded_bytes"] > 0 and row["reloaded_bytes"] > 0, row
+            assert verdict.judge_row(row)[0] != "FAIL"
+            assert row["act_peak_bytes"] > 0 and row["cache_peak_bytes"] > 0
+        ssd = rows[(phase, "ssd")]  # planted: an offloader that moves nothing
+        assert ssd["offloaded_bytes"] == 0 and verdict.judge_row(ssd)[0] == "FAIL"
+        assert rows[(phase, "recompute")]["status"].startswith("OOM in set-up")  # planted; the run went on
+        assert rows[(phase, "defaults")]["decision"].startswith("offload blocks [0, ")
+        assert rows[(phase, "keep")]["act_peak_bytes"] > 0
+    for name in ("compiled host", "compiled ssd"):
+        assert rows[("compiled", name)]["offloaded_bytes"] > 0
+    assert {name for p, name in rows if p == "hide"} == {"keep", "host", "defaults"}
+    # The summary: environment header, a row per strategy with its verdict, the verdict rows.
+    assert "- **device**: cpu" in summary and "- **torch**:" in summary and "gpu_truth.py" in summary
+    assert "| ssd | FAIL |" in summary and "moved 0 bytes" in summary
+    assert "| recompute | ERROR |" in summary
+    assert "| no row meant to offload moved nothing; every deciding row stated its decision | FAIL | " \
+           "main b8/ssd, main b16/ssd |" in summary
+    assert "planner (before the run" in summary and "measured: host forced step" in summary
+    assert "[gpu_truth" in proc.stdout and proc.returncode == 1
+
+
+def _row(**kw) -> dict:
+    base = dict(phase="p", name="host", status="ok", meant_to_offload=True, tba=True, decides=False, steps=5,
+                step_s=1.0, act_peak_bytes=100, cache_peak_bytes=100, offloaded_bytes=10, reloaded_bytes=10,
+                blocks="11 of 12", stall_s=0.0, decision=None)
+    return {**base, **kw}
+
+
+def test_zero_bytes_moved_fails_and_accounting_off_is_flagged() -> None:
+    assert verdict.judge_row(_row()) == ("ok", [])
+    status, why = verdict.judge_row(_row(offloaded_bytes=0, reloaded_bytes=0))
+    assert status == "FAIL" and "moved 0 bytes" in why[0]
+    assert verdict.judge_row(_row(reloaded_bytes=0))[0] == "FAIL"
+    assert verdict.judge_row(_row(cache_peak_bytes=109))[0] == "ok"
+    status, why = verdict.judge_row(_row(cache_peak_bytes=111))
+    assert status == "FLAG" and "1.11x" in why[0]
+    assert verdict.judge_row(_row(cache_peak_bytes=89))[0] == "FLAG"
+    assert verdict.judge_row(_row(name="defaults", meant_to_offload=False, decides=True, offloaded_bytes=0))[0] == "FAIL"
+    assert verdict.judge_row(_row(name="defaults", meant_to_offload=False, decides=True, offloaded_bytes=0,
+                                  reloaded_bytes=0, decision="keep every block: over 5%"))[0] == "ok"
+    assert verdict.judge_row(_row(status="OOM in measured step 0: ..."))[0] == "ERROR"
+    # keep is not judged on the cache's count or bytes moved
+    assert verdict.judge_row(_row(name="keep", meant_to_offload=False, tba=False, cache_peak_bytes=None,
+                                  offloaded_bytes=None))[0] == "ok"
+
+
+def test_targets() -> None:
+    keep = _row(name="keep", meant_to_offload=False, tba=False, cache_peak_bytes=None)
+    decided = dict(name="defaults", meant_to_offload=False, decides=True, decision="offload blocks [0, 3)")
+    rows = [keep, _row(act_peak_bytes=40, cache_peak_bytes=40), _row(step_s=1.04, **decided)]
+    got = {t: (s, d) for t, s, d in verdict.target_rows(rows, ["p"])}
+    assert got["p: host forced <= 0.4x keep's activation peak"][0] == "PASS"
+    assert got["p: defaults <= 1.05x keep's step time, decision stated"][0] == "PASS"
+    assert got["cache accounting within 10% of the allocator on every tba row"][0] == "PASS"
+    rows = [keep, _row(act_peak_bytes=41, cache_peak_bytes=30), _row(step_s=1.04, **dict(decided, decision=None))]
+    got = {t: (s, d) for t, s, d in verdict.target_rows(rows, ["p"])}
+    assert got["p: host forced <= 0.4x keep's activation peak"][0] == "FAIL"
+    assert got["p: defaults <= 1.05x keep's step time, decision stated"][0] == "FAIL"
+    assert got["cache accounting within 10% of the allocator on every tba row"][0] == "FAIL"
+    assert got["no row meant to offload moved nothing; every deciding row stated its decision"][0] == "FAIL"
+    # a host row that moved nothing cannot pass the peak target, whatever its peak
+    rows = [keep, _row(act_peak_bytes=10, cache_peak_bytes=10, offloaded_bytes=0)]
+    assert verdict.target_rows(rows, ["p"])[0][1] == "FAIL"
+    assert verdict.target_rows([keep], ["p"])[0][1] == "SKIP"
+
+
+def test_snapshot_timeline_replays_allocs_and_completed_frees() -> None:
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "size": 100, "time_us": 1000},
+        {"action": "segment_alloc", "size": 4096, "time_us": 1001},
+        {"action": "alloc", "size": 50, "time_us": 2000},
+        {"action": "free_requested", "size": 100, "time_us": 2500},
+        {"action": "free_completed", "size": 100, "time_us": 3000},
+    ]]}
+    times, allocated = _truth_snapshot.timeline(snapshot, start_bytes=10)
+    assert times == [0.0, 1.0, 2.0] and allocated == [110, 160, 60]
+    assert _truth_snapshot.timeline({"device_traces": []}, 5) == ([], [])
