@@ -9,8 +9,8 @@ from typing import Any
 from tba import plan
 
 GIB = 2**30
-MAIN_GPU_MODEL = dict(layers=12, hidden=2048, heads=16, seq_len=1024, vocab=32768, attn_implementation="sdpa")
-TINY_MODEL = dict(layers=2, hidden=64, heads=2, seq_len=64, vocab=128)
+MAIN_GPU_MODEL: dict[str, Any] = dict(layers=12, hidden=2048, heads=16, seq_len=1024, vocab=32768, attn_implementation="sdpa")
+TINY_MODEL: dict[str, Any] = dict(layers=2, hidden=64, heads=2, seq_len=64, vocab=128)
 HIDE_HIDDEN = (2048, 3072, 4096, 5120, 6144)  # candidates for the configuration the planner expects to hide
 HIDE_FRACTION = 0.8
 
@@ -79,16 +79,16 @@ def plan_phases(cuda: bool, total_bytes: int, host_link: plan.HostLink, peak_flo
         batches = (max(1, big // 2), big)
         notes.append(f"main model {main}: planned activations {per_sample / GIB:.2f} GiB per sample; batches "
                      f"{batches} (keep ~{batches[0] * per_sample / GIB:.1f} and ~{big * per_sample / GIB:.1f} GiB)")
-        hide_batch, hide_model = 8, None
+        hide_batch, found = 8, None
         for hidden in HIDE_HIDDEN:
             candidate = dict(main, layers=4, hidden=hidden, heads=hidden // 128)
             p = predict_hide(candidate, hide_batch, True, host_link, peak_flops)
             fits = 3 * state_bytes(candidate, True) + 1.5 * p["planned_activation_bytes"] < 0.8 * total_bytes
             if fits:
-                hide_model = candidate
+                found = candidate
                 if p["fraction_hidden"] >= HIDE_FRACTION:
                     break
-        hide_model = hide_model or dict(main, layers=4)
+        hide_model = found or dict(main, layers=4)
         compiled_model = dict(main, layers=4)  # compile time grows with the graph
     phases = [Phase(f"main b{batches[0]}", main, batches[0], EAGER, 0.25, snapshot=True),
               Phase(f"main b{batches[1]}", main, batches[1], EAGER, 0.25),

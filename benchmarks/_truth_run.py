@@ -8,13 +8,14 @@ its model and cache are released and the others go on.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
 import gc
 import statistics
 import time
 import traceback
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -101,7 +102,7 @@ def build(phase: str, name: str, ctx: Context) -> Runner:
     if name in COMPILED:
         import compile_offload
 
-        args = SimpleNamespace(device=ctx.device, seed=0, min_offload_bytes=ctx.min_offload_bytes, quick=ctx.tiny,
+        args = argparse.Namespace(device=ctx.device, seed=0, min_offload_bytes=ctx.min_offload_bytes, quick=ctx.tiny,
                                inner=ctx.inner)
         built = compile_offload._build({"compiled keep": "keep", "compiled host": "tba-host",
                                         "compiled ssd": "tba-ssd"}[name], args, dict(ctx.model), ctx.ssd_dir)
@@ -206,29 +207,42 @@ def warm_up(r: Runner, ids: torch.Tensor, mem: MemoryStats, steps: int, deadline
         r.cache.wait_for_stores()
 
 
+def _measured(r: Runner, ids: torch.Tensor, mem: MemoryStats) -> None:
+    r.samples.append(timed_step(r, ids, mem))
+
+
 def measure(runners: list[Runner], ids: torch.Tensor, mem: MemoryStats, steps: int, deadline: float,
             log: Callable[[str], None]) -> None:
-    """Up to ``steps`` measured steps per runner, one step of each in turn (the order rotating),
-    fewer when the round's time (from the warm-up) does not fit before ``deadline``."""
+    """Up to ``steps`` measured steps per runner, one step of each in turn (the order rotating).
+
+    Each runner has an equal share of the time to ``deadline``: one whose next step (timed
+    like its last) would overrun its share stops there, so a slow strategy (the SSD at a large
+    batch) costs its own steps, not the others'. Every runner gets at least one step while
+    time is left."""
     live = [r for r in runners if r.ok]
     if not live:
         return
-    round_s = sum(r.warmup[-1]["time_s"] if r.warmup else 0.0 for r in live)
-    left = deadline - time.perf_counter()
-    fit = int(left / round_s) if round_s > 0 else steps
-    planned = max(2, min(steps, fit))
-    if planned < steps:
-        log(f"measuring {planned} rounds, not {steps}: a round takes ~{round_s:.1f} s, {left:.0f} s left")
-    for i in range(planned):
+    start = time.perf_counter()
+    share = (deadline - start) / len(live)
+    spent = {id(r): 0.0 for r in live}
+    stopped: set[int] = set()
+    for i in range(steps):
         for r in live[i % len(live):] + live[: i % len(live)]:
-            if r.ok:
-                guarded(r, f"measured step {i}", lambda r=r: r.samples.append(timed_step(r, ids, mem)), log)
-        if time.perf_counter() > deadline and i + 1 < planned:
-            log(f"time budget spent after {i + 1} measured rounds")
-            break
+            last = (r.samples or r.warmup or [{"time_s": 0.0}])[-1]["time_s"]
+            if not r.ok or id(r) in stopped:
+                continue
+            now = time.perf_counter()
+            if (now + last > deadline or spent[id(r)] + last > share) if r.samples else now > deadline:
+                stopped.add(id(r))
+                log(f"{r.phase}/{r.name}: stops after {len(r.samples)} measured steps (~{last:.1f} s a step, "
+                    f"{share:.0f} s share)")
+                continue
+            t0 = time.perf_counter()
+            guarded(r, f"measured step {i}", functools.partial(_measured, r, ids, mem), log)
+            spent[id(r)] += time.perf_counter() - t0
     for r in live:
         if r.ok and len(r.samples) < 5:
-            r.notes.append(f"{len(r.samples)} measured steps (fewer than 5: time budget)")
+            r.notes.append(f"{len(r.samples)} measured steps (fewer than 5: its time share, {share:.0f} s, was spent)")
 
 
 def row(r: Runner, num_blocks: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ def record_step(step: Callable[[], None], path: Path, max_entries: int = 1_000_0
 
     torch.cuda.synchronize()
     start = int(torch.cuda.memory_allocated())
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         step()
         torch.cuda.synchronize()

@@ -111,7 +111,10 @@ def run_phase(phase: Phase, args: argparse.Namespace, mem: MemoryStats, files: P
                     + (f", offloaded {w['offloaded_bytes'] / GIB:.3f} GiB" if "offloaded_bytes" in w else ""))
         if name in ("keep", "compiled keep") and r.ok and len(r.warmup) < 2:
             # budget mode's 50% is of a warm step's peak (the first one allocates once-only buffers)
-            run.guarded(r, "warm-up", lambda r=r: r.warmup.append(run.timed_step(r, ids, mem)), log)
+            def warm_step(r: run.Runner = r) -> None:
+                r.warmup.append(run.timed_step(r, ids, mem))
+
+            run.guarded(r, "warm-up", warm_step, log)
         if name in ("keep", "compiled keep") and r.ok:
             peak = r.warmup[-1]["act_peak_bytes"]
             ctx.budget_bytes = max(1, peak // 2) if peak > 0 else max(1, planned // 2)
@@ -150,7 +153,10 @@ def _snapshots(runners: list[run.Runner], ids: torch.Tensor, mem: MemoryStats, f
         if r.name in ("keep", "host") and r.ok:
             def record(r: run.Runner = r) -> None:
                 path = files / f"snapshot_{r.name}.pickle"
-                s, start = snap.record_step(lambda: run.timed_step(r, ids, mem) and None, path)
+                def step() -> None:
+                    run.timed_step(r, ids, mem)
+
+                s, start = snap.record_step(step, path)
                 curves[r.name] = snap.timeline(s, start)
                 log(f"snapshot of one {r.name} step: {path.name} ({path.stat().st_size / 2**20:.1f} MiB)")
 

@@ -153,3 +153,44 @@ def test_snapshot_timeline_replays_allocs_and_completed_frees() -> None:
     times, allocated = _truth_snapshot.timeline(snapshot, start_bytes=10)
     assert times == [0.0, 1.0, 2.0] and allocated == [110, 160, 60]
     assert _truth_snapshot.timeline({"device_traces": []}, 5) == ([], [])
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fake_runner(name: str, clock: _Clock, step_s: float):
+    import types
+
+    import _truth_run as run
+
+    def forward(input_ids, labels):
+        clock.now += step_s
+        return types.SimpleNamespace(loss=types.SimpleNamespace(backward=lambda: None))
+
+    optimizer = types.SimpleNamespace(step=lambda: None, zero_grad=lambda set_to_none: None)
+    r = run.Runner("p", name, model=object(), forward=forward, optimizer=optimizer)
+    r.warmup.append({"time_s": step_s})
+    return r
+
+
+def test_a_slow_strategy_spends_its_own_time_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import _truth_run as run
+
+    clock = _Clock()
+    monkeypatch.setattr(run.time, "perf_counter", clock)
+    mem = types.SimpleNamespace(sync=lambda: None, reset_peak=lambda: None, current_bytes=lambda: 0, peak_bytes=lambda: 7)
+    fast, slow = _fake_runner("host", clock, 0.1), _fake_runner("ssd", clock, 10.0)
+    run.measure([fast, slow], ids=None, mem=mem, steps=6, deadline=clock.now + 30, log=lambda line: None)  # type: ignore[arg-type]
+    assert len(fast.samples) == 6 and len(slow.samples) == 1  # share 15 s: a second 10 s step would overrun it
+    assert slow.notes == ["1 measured steps (fewer than 5: its time share, 15 s, was spent)"] and not fast.notes
+    assert [s["act_peak_bytes"] for s in fast.samples] == [7] * 6
+    late = _fake_runner("keep", clock, 0.1)
+    run.measure([late], ids=None, mem=mem, steps=6, deadline=clock.now - 1, log=lambda line: None)  # type: ignore[arg-type]
+    assert late.samples == [] and run.row(late, 2)["status"] == "no measured step (time budget)"
