@@ -1,5 +1,6 @@
 """CUDA memory probe of the GPU verdict: reserved, active and allocated peaks per step with and
-without the host offloader, allocation retries, pinned host bytes against the most the pool
+without the host offloader (forced: ``adaptive=False``; the bytes it moved are reported and a
+run that moved none fails its rows), allocation retries, pinned host bytes against the most the pool
 held, and the raw pinned device-to-host copy bandwidth, all in one run.
 
     python benchmarks/_verdict_memory.py --out memory.json                    # what gpu_suite.sh runs
@@ -44,8 +45,12 @@ def run(args: argparse.Namespace, mode: str) -> dict:
     offloader = PeakHost() if mode == "host" else "none"
     retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     reserved, active, allocated, forward_allocated = [], [], [], []
+    moved: list[tuple[int, int]] = []  # (offloaded, reloaded) bytes per step
+    # adaptive=False: the host mode offloads every block but the last, whatever a policy would
+    # decide (with the default policy this probe once measured keep against keep: issue 38).
+    options = dict(adaptive=False) if mode == "host" else {}
     with tba.configure_tensor_cache(model, offloader=offloader, offload_devices=("cuda",), min_offload_bytes=0,
-                                    max_inflight_bytes=args.max_inflight_mib << 20) as cache:
+                                    max_inflight_bytes=args.max_inflight_mib << 20, **options) as cache:
         for _ in range(args.steps):
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
@@ -61,6 +66,8 @@ def run(args: argparse.Namespace, mode: str) -> dict:
             reserved.append(stats["reserved_bytes.all.peak"])
             active.append(stats["active_bytes.all.peak"])
             allocated.append(stats["allocated_bytes.all.peak"])
+            step = cache.stats()
+            moved.append((step.offloaded_bytes, step.reloaded_bytes))
         write_bytes_per_s = cache.stats(cumulative=True).write_bytes_per_s
         pinned = offloader.pinned_bytes if isinstance(offloader, PeakHost) else 0
         held = offloader.peak_held_bytes if isinstance(offloader, PeakHost) else 0
@@ -75,6 +82,9 @@ def run(args: argparse.Namespace, mode: str) -> dict:
         "pinned_bytes": pinned,
         "peak_held_bytes": held,
         "write_bytes_per_s": write_bytes_per_s,
+        "offloaded_bytes": sum(out for out, _ in moved[warm]),
+        "reloaded_bytes": sum(back for _, back in moved[warm]),
+        "measured_steps": len(moved[warm]),
     }
 
 
@@ -118,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['active_peak_bytes'] / 2**20:.0f} MiB, allocated {row['allocated_peak_bytes'] / 2**20:.0f} MiB "
                   f"(in forward {row['forward_allocated_peak_bytes'] / 2**20:.0f} MiB), "
                   f"retries {row['num_alloc_retries']}, pinned {row['pinned_bytes'] / 2**20:.0f} MiB for "
-                  f"{row['peak_held_bytes'] / 2**20:.0f} MiB held")
+                  f"{row['peak_held_bytes'] / 2**20:.0f} MiB held, moved {row['offloaded_bytes'] / 2**20:.0f} MiB out "
+                  f"and {row['reloaded_bytes'] / 2**20:.0f} MiB back in {row['measured_steps']} steps")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     return result

@@ -4,13 +4,17 @@
 #   environment  versions, GPU, BAR1, PCIe link, allocator settings, kvikio mode, filesystem of
 #                TBA_SSD_DIR (tmpfs/overlay refused for SSD checks), O_DIRECT probe
 #   correctness  the GPU tests (bit-exact twins, offloaders, hook): pytest -m gpu, TBA_REQUIRE_GPU=1
-#   memory       reserved / active / allocated peaks host vs keep, flat over 20 steps, allocation
-#                retries, pinned bytes vs peak held (benchmarks/_verdict_memory.py)
+#   memory       reserved / active / allocated peaks host (forced, adaptive=False) vs keep, flat
+#                over 20 steps, allocation retries, pinned bytes vs peak held, bytes moved (0 fails)
+#                (benchmarks/_verdict_memory.py)
 #   malloc hook  registered, no failures, no registrations per step after warm-up, shortfall
 #                vs memory_reserved (benchmarks/_verdict_hook.py under LD_PRELOAD)
-#   performance  keep vs host vs ssd step time, hook on/off step time, host stores vs raw copy
+#   performance  keep vs host vs ssd forced step time (an offload row that moved 0 bytes fails),
+#                hook on/off step time, host stores vs raw copy
 #                engine, SSD engines vs raw drive, adaptive vs keep, hook overhead per tensor
 # It runs end to end without a GPU too: GPU rows SKIP with the reason (tests/benchmarks).
+# The allocator's activation peaks of every strategy (forced, default and budget policies,
+# compiled) are benchmarks/gpu_truth.sh's, a separate one-run command (docs/gpu.md).
 #
 # Usage (on the GPU machine, from a copy of the repository, wheels beside this script):
 #
@@ -38,7 +42,7 @@
 set -uo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
@@ -175,7 +179,7 @@ if ((HAS_CUDA)) && ((!TINY)); then
     ssd_strategy=",offload-ssd"
     [[ -n "$SSD_REFUSED" ]] && ssd_strategy=""
     stage overhead "$ovh_s" "$PY" benchmarks/rok_curve.py --device cuda --batch-sizes 8 \
-        --strategies "keep,offload-host$ssd_strategy" --adaptive --repeats 2 --warmup 3 --steps 8 \
+        --strategies "keep,offload-host$ssd_strategy" --repeats 2 --warmup 3 --steps 8 \
         --out "$RESULTS/overhead" \
         --time-budget-s $((ovh_s > 70 ? ovh_s - 40 : 30)) --timeout-s 60
 elif ((HAS_CUDA)); then

@@ -123,13 +123,14 @@ def test_missing_results_fail_unless_their_stage_was_skipped(tmp_path: Path) -> 
     assert row.status == "SKIP" and "no CUDA device" in row.detail
 
 
-def _memory_json(pinned: int, held: int, reserved_steps: list[int], retries: int = 0) -> dict:
+def _memory_json(pinned: int, held: int, reserved_steps: list[int], retries: int = 0, moved: int = 1 << 20) -> dict:
     mode = {"reserved_peak_bytes": 100, "active_peak_bytes": 90, "allocated_peak_bytes": 80,
             "num_alloc_retries": 0, "pinned_bytes": 0, "peak_held_bytes": 0, "write_bytes_per_s": 0.0,
             "reserved_peak_per_step": [100] * len(reserved_steps)}
     host = dict(mode, reserved_peak_bytes=60, active_peak_bytes=50, allocated_peak_bytes=40,
                 num_alloc_retries=retries, pinned_bytes=pinned, peak_held_bytes=held,
-                reserved_peak_per_step=reserved_steps, write_bytes_per_s=5e9)
+                reserved_peak_per_step=reserved_steps, write_bytes_per_s=5e9, offloaded_bytes=moved,
+                reloaded_bytes=moved, measured_steps=len(reserved_steps) - 1)
     return {"warmup": 1, "modes": {"keep": mode, "host": host}, "copy_engine_d2h_bytes_per_s": 20e9}
 
 
@@ -147,6 +148,34 @@ def test_memory_rows_judge_injected_numbers(tmp_path: Path) -> None:
     assert rows["no allocation retries"].status == "FAIL" and rows["no allocation retries"].value == 2
     copy_row = _verdict_results._copy_engine_row(tmp_path, "performance")
     assert copy_row.value == pytest.approx(0.25)
+
+
+def test_memory_rows_fail_when_the_host_offloader_moved_nothing(tmp_path: Path) -> None:
+    # Lower peaks than keep, but 0 bytes moved: keep against keep (issue 38), never a PASS.
+    (tmp_path / "memory.json").write_text(json.dumps(_memory_json(130, 100, [70, 60, 60, 61], moved=0)))
+    rows = _verdict_results.memory_rows(tmp_path)
+    assert [(r.name, r.status) for r in rows] == [("host offloader moved bytes", "FAIL")]
+    assert "0 bytes out" in rows[0].detail
+
+
+def test_overhead_rows_fail_an_offload_row_that_moved_nothing(tmp_path: Path) -> None:
+    (tmp_path / "overhead").mkdir()
+    points = [{"strategy": "keep", "status": "ok", "step_time_s": 0.100},
+              {"strategy": "offload-host", "status": "ok", "step_time_s": 0.101,
+               "cache_offloaded_bytes_per_step": [0, 0]},
+              {"strategy": "offload-ssd", "status": "ok", "step_time_s": 0.102,
+               "cache_offloaded_bytes_per_step": [3 << 20, 3 << 20]}]
+    (tmp_path / "overhead" / "rok_curve.json").write_text(json.dumps({"rows": points}))
+    rows = {r.name: r for r in _verdict_results._overhead_rows(tmp_path, "performance")}
+    host, ssd = rows["step time offload-host / keep"], rows["step time offload-ssd / keep"]
+    assert host.status == "FAIL" and "nothing offloaded" in host.detail
+    assert ssd.status == "PASS" and "moved 6 MiB out" in ssd.detail
+
+
+def test_suite_runs_fixed_offload_rows_without_the_adaptive_policy() -> None:
+    overhead = [line for line in (BENCH / "gpu_suite.sh").read_text().splitlines()[50:] if "rok_curve.py" in line
+                or "--strategies" in line]
+    assert overhead and not any("--adaptive" in line for line in overhead)
 
 
 def test_hook_rows_judge_injected_status(tmp_path: Path) -> None:
