@@ -194,3 +194,52 @@ def test_a_slow_strategy_spends_its_own_time_share(monkeypatch: pytest.MonkeyPat
     late = _fake_runner("keep", clock, 0.1)
     run.measure([late], ids=None, mem=mem, steps=6, deadline=clock.now - 1, log=lambda line: None)  # type: ignore[arg-type]
     assert late.samples == [] and run.row(late, 2)["status"] == "no measured step (time budget)"
+
+
+@pytest.mark.parametrize("gpu_gib", [80, 141])
+def test_gpu_phases_fit_the_device_and_keep_dominates(gpu_gib: int) -> None:
+    """The GPU sizes, chosen on CPU: every eager strategy's model plus keep's planned
+    activations (x1.3) fit in 85% of the device; keep's activations are 20-30 GiB at the
+    larger batch; the hide configuration is one the planner expects to hide (>= 80%)."""
+    from _truth_phases import GIB, accounting, plan_phases, shape_of, state_bytes
+    from _truth_run import EAGER
+
+    from tba import plan
+
+    total = gpu_gib * 10**9
+    phases, notes = plan_phases(True, total, plan.HOST_LINKS["pcie5"], plan.GPU_PEAK_FLOPS["h100"])
+    assert [p.name.split()[0] for p in phases] == ["main", "main", "hide", "compiled"]
+    small, big, hide, compiled = phases
+    per_sample = plan.activation_bytes(shape_of(big.model), 1, accounting(big.model, True))
+    assert 20 * GIB <= big.batch * per_sample <= 30 * GIB and small.batch == big.batch // 2
+    assert len(EAGER) * state_bytes(big.model, True) + 1.3 * big.batch * per_sample <= 0.85 * total
+    assert big.batch * per_sample > 2 * state_bytes(big.model, True)  # activations are most of the peak
+    assert hide.prediction is not None and hide.prediction["fraction_hidden"] >= 0.8
+    assert 3 * state_bytes(hide.model, True) + 1.5 * hide.prediction["planned_activation_bytes"] < 0.8 * total
+    assert compiled.model["layers"] == 4 and compiled.strategies == ("compiled keep", "compiled host", "compiled ssd")
+    assert any("planner predicts" in n for n in notes)
+
+
+@pytest.mark.gpu
+def test_snapshot_timeline_matches_the_allocator_on_cuda(tmp_path: Path) -> None:
+    import torch
+
+    from tests.conftest import require_cuda
+
+    require_cuda()
+    from _truth_memory import CudaAllocator
+
+    mem = CudaAllocator()
+    mem.sync()
+    before = mem.current_bytes()
+    mem.reset_peak()
+
+    def step() -> None:
+        a = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        b = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
+        del a, b
+
+    snapshot, start = _truth_snapshot.record_step(step, tmp_path / "s.pickle")
+    _, allocated = _truth_snapshot.timeline(snapshot, start)
+    assert max(allocated) - start == 96 << 20 == mem.peak_bytes() - before
+    assert (tmp_path / "s.pickle").stat().st_size > 0
