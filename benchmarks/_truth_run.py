@@ -260,7 +260,8 @@ def row(r: Runner, num_blocks: int) -> dict[str, Any]:
                baseline_bytes=statistics.median(x["before_bytes"] for x in s))
     if "offloaded_bytes" in s[0]:
         blocks = sorted({x["blocks"] for x in s})
-        out.update(offloaded_bytes=sum(x["offloaded_bytes"] for x in s), reloaded_bytes=sum(x["reloaded_bytes"] for x in s),
+        out.update(steps_moving_nothing=sum(not x["offloaded_bytes"] for x in s),
+                   offloaded_bytes=sum(x["offloaded_bytes"] for x in s), reloaded_bytes=sum(x["reloaded_bytes"] for x in s),
                    cache_peak_bytes=max(x["cache_peak_bytes"] for x in s), stall_s=statistics.median(x["stall_s"] for x in s),
                    blocks="/".join(map(str, blocks)) + f" of {num_blocks}")
     return out

@@ -4,7 +4,7 @@ Pure functions of the rows the script measured (plain dicts, see ``ROW_KEYS``), 
 rules are unit-tested on CPU (tests/benchmarks/test_gpu_truth.py):
 
 - a row meant to offload (the forced strategies, budget mode) that moved 0 bytes in its
-  measured steps, or reloaded none, is FAIL;
+  measured steps, or in any one of them, or reloaded none, is FAIL;
 - a tba row whose cache accounting (``peak_resident_bytes``) differs from the allocator's
   activation peak by more than ``ACCOUNTING_TOLERANCE`` is flagged (FLAG);
 - a row whose policy decides (defaults, budget) must state its decision, else FAIL;
@@ -19,7 +19,7 @@ ACCOUNTING_TOLERANCE = 0.10
 HOST_PEAK_TARGET = 0.4
 DEFAULTS_TIME_TARGET = 1.05
 ROW_KEYS = ("phase", "name", "status", "meant_to_offload", "tba", "decides", "steps", "step_s", "act_peak_bytes",
-            "cache_peak_bytes", "offloaded_bytes", "reloaded_bytes", "blocks", "stall_s", "decision")
+            "cache_peak_bytes", "offloaded_bytes", "reloaded_bytes", "steps_moving_nothing", "blocks", "stall_s", "decision")
 GIB = 2**30
 
 
@@ -42,6 +42,8 @@ def judge_row(row: dict[str, Any]) -> tuple[str, list[str]]:
             fails.append(f"meant to offload but moved 0 bytes in {row.get('steps', 0)} measured steps")
         elif not row.get("reloaded_bytes"):
             fails.append("offloaded but reloaded 0 bytes")
+        elif row.get("steps_moving_nothing"):  # a forced row offloads in every step, not some
+            fails.append(f"moved 0 bytes in {row['steps_moving_nothing']} of {row.get('steps', 0)} measured steps")
     if row.get("decides") and not row.get("decision"):
         fails.append("the policy stated no decision")
     if row.get("tba"):

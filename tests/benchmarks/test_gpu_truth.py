@@ -77,6 +77,10 @@ def test_tiny_run_measures_every_strategy_and_fails_what_moved_nothing(tiny_run)
             row = rows[(phase, name)]
             assert row["status"] == "ok" and row["steps"] == 5, row
             assert row["offloaded_bytes"] > 0 and row["reloaded_bytes"] > 0, row
+            # forced: every measured step offloads the same blocks (a policy would skip some)
+            assert all(s["offloaded_bytes"] > 0 for s in row["samples"]) and row["steps_moving_nothing"] == 0
+            if name != "budget":
+                assert {s["blocks"] for s in row["samples"]} == {1} and row["blocks"] == "1 of 2"
             assert verdict.judge_row(row)[0] != "FAIL"
             assert row["act_peak_bytes"] > 0 and row["cache_peak_bytes"] > 0
         ssd = rows[(phase, "ssd")]  # planted: an offloader that moves nothing
@@ -109,6 +113,8 @@ def test_zero_bytes_moved_fails_and_accounting_off_is_flagged() -> None:
     status, why = verdict.judge_row(_row(offloaded_bytes=0, reloaded_bytes=0))
     assert status == "FAIL" and "moved 0 bytes" in why[0]
     assert verdict.judge_row(_row(reloaded_bytes=0))[0] == "FAIL"
+    status, why = verdict.judge_row(_row(steps_moving_nothing=2))  # some steps kept everything
+    assert status == "FAIL" and why == ["moved 0 bytes in 2 of 5 measured steps"]
     assert verdict.judge_row(_row(cache_peak_bytes=109))[0] == "ok"
     status, why = verdict.judge_row(_row(cache_peak_bytes=111))
     assert status == "FLAG" and "1.11x" in why[0]
@@ -185,12 +191,13 @@ def test_a_slow_strategy_spends_its_own_time_share(monkeypatch: pytest.MonkeyPat
 
     clock = _Clock()
     monkeypatch.setattr(run.time, "perf_counter", clock)
-    mem = types.SimpleNamespace(sync=lambda: None, reset_peak=lambda: None, current_bytes=lambda: 0, peak_bytes=lambda: 7)
+    # 5 bytes held before each step (weights, optimizer state), 12 at the step's peak: 7 of activations
+    mem = types.SimpleNamespace(sync=lambda: None, reset_peak=lambda: None, current_bytes=lambda: 5, peak_bytes=lambda: 12)
     fast, slow = _fake_runner("host", clock, 0.1), _fake_runner("ssd", clock, 10.0)
     run.measure([fast, slow], ids=None, mem=mem, steps=6, deadline=clock.now + 30, log=lambda line: None)  # type: ignore[arg-type]
     assert len(fast.samples) == 6 and len(slow.samples) == 1  # share 15 s: a second 10 s step would overrun it
     assert slow.notes == ["1 measured steps (fewer than 5: its time share, 15 s, was spent)"] and not fast.notes
-    assert [s["act_peak_bytes"] for s in fast.samples] == [7] * 6
+    assert [(s["act_peak_bytes"], s["before_bytes"]) for s in fast.samples] == [(7, 5)] * 6
     late = _fake_runner("keep", clock, 0.1)
     run.measure([late], ids=None, mem=mem, steps=6, deadline=clock.now - 1, log=lambda line: None)  # type: ignore[arg-type]
     assert late.samples == [] and run.row(late, 2)["status"] == "no measured step (time budget)"
