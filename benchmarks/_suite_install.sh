@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by benchmarks/gpu_suite.sh and benchmarks/gpu_truth.sh (sourced, not run): where the
 # wheels are, and the install into a virtual environment that sees the machine's torch.
 #

@@ -92,7 +92,10 @@ def run_phase(phase: Phase, args: argparse.Namespace, mem: MemoryStats, files: P
         f"{deadline - time.perf_counter():.0f} s")
     runners: list[run.Runner] = []
     start = time.perf_counter()
-    warm_share = 0.55 * (deadline - start) / len(phase.strategies)
+    # Warm-up gets 55% of the phase; a deciding policy (defaults, budget) twice a fixed row's
+    # share: its decision settles over a profile and a closed-loop check of several steps.
+    weights = {name: 2 if name in run.DECIDES else 1 for name in phase.strategies}
+    warm_unit = 0.55 * (deadline - start) / sum(weights.values())
     for name in phase.strategies:
         r = run.Runner(phase.name, name)
         if time.perf_counter() > deadline:
@@ -102,7 +105,7 @@ def run_phase(phase: Phase, args: argparse.Namespace, mem: MemoryStats, files: P
                 built = run.build(phase.name, name, ctx)
                 r.model, r.forward, r.optimizer, r.cache, r.notes = (built.model, built.forward, built.optimizer,
                                                                        built.cache, built.notes)
-                run.warm_up(r, ids, mem, args.warmup, min(deadline, time.perf_counter() + warm_share))
+                run.warm_up(r, ids, mem, args.warmup, min(deadline, time.perf_counter() + warm_unit * weights[name]))
 
             if run.guarded(r, "set-up and warm-up", setup, log):
                 w = r.warmup[-1]
