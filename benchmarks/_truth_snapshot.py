@@ -28,12 +28,26 @@ def record_step(step: Callable[[], None], path: Path, max_entries: int = 1_000_0
     try:
         step()
         torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
+        snapshot = trim_frames(torch.cuda.memory._snapshot())
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     with open(path, "wb") as f:
         pickle.dump(snapshot, f)
     return snapshot, start
+
+
+def trim_frames(snapshot: dict[str, Any], max_frames: int = 12) -> dict[str, Any]:
+    """Keep the innermost ``max_frames`` stack frames of every trace entry and block (the
+    archive must stay small enough to come back from the GPU machine)."""
+    for entries in snapshot.get("device_traces") or []:
+        for entry in entries:
+            if isinstance(entry.get("frames"), list):
+                entry["frames"] = entry["frames"][:max_frames]
+    for segment in snapshot.get("segments") or []:
+        for block in segment.get("blocks") or []:
+            if isinstance(block.get("frames"), list):
+                block["frames"] = block["frames"][:max_frames]
+    return snapshot
 
 
 def timeline(snapshot: dict[str, Any], start_bytes: int, device: int = 0) -> tuple[list[float], list[int]]:

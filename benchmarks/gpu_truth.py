@@ -198,6 +198,22 @@ def summary_text(env: dict[str, Any], rows: list[dict[str, Any]], phases: list[P
     return "\n".join(lines) + "\n"
 
 
+def write_archive(files: Path, path: Path, limit_bytes: int) -> list[str]:
+    """``files`` as a tar.gz at ``path``; while it is over ``limit_bytes``, the largest memory
+    snapshot is left out (named in ``archive_dropped.txt``). Returns the names left out."""
+    dropped: list[str] = []
+    while True:
+        with tarfile.open(path, "w:gz") as tar:
+            tar.add(files, arcname="gpu_truth")
+        snapshots = sorted(files.glob("snapshot_*.pickle"), key=lambda f: f.stat().st_size)
+        if path.stat().st_size <= limit_bytes or not snapshots:
+            return dropped
+        biggest = snapshots[-1]
+        dropped.append(f"{biggest.name} ({biggest.stat().st_size / 2**20:.1f} MiB)")
+        biggest.unlink()
+        (files / "archive_dropped.txt").write_text("\n".join(dropped) + "\n")
+
+
 def _stop(signum: int, frame: object) -> None:
     """SIGTERM (the shell line's timeout): stop measuring; ``main`` still writes the archive."""
     raise SystemExit("SIGTERM: the run's time limit; writing what was measured")
@@ -211,6 +227,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="measured steps per strategy (at least 5 when time allows)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (a deciding policy takes more)")
     p.add_argument("--phases", default="main,hide,compiled", help="comma-separated from main, hide, compiled")
+    p.add_argument("--archive-mib", type=float, default=15.0,
+                   help="most MiB of the archive (the GPU machine returns files up to 16 MiB): snapshots left out above")
     p.add_argument("--attach", action="append", default=[], help="a file to put in the archive (the install log)")
     p.add_argument("--ssd-dir", default=os.environ.get("TBA_SSD_DIR"), help="SSD offloader directory (TBA_SSD_DIR)")
     args = p.parse_args(argv)
@@ -290,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         for extra in args.attach:
             if os.path.isfile(extra):
                 shutil.copy(extra, files / os.path.basename(extra))
-        with tarfile.open(out / "gpu_truth.tar.gz", "w:gz") as tar:
-            tar.add(files, arcname="gpu_truth")
+        dropped = write_archive(files, out / "gpu_truth.tar.gz", int(args.archive_mib * 2**20))
+        if dropped:
+            text += f"\nArchive over {args.archive_mib} MiB: left out {', '.join(dropped)}.\n"
+            (out / "summary.md").write_text(text)
         shutil.rmtree(files, ignore_errors=True)
         print(text, flush=True)
     failed = any(s == "FAIL" for _, s, _ in verdict.target_rows(rows, [p.name for p in phases if p.name.startswith("main")]))

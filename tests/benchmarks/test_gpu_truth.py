@@ -250,3 +250,32 @@ def test_snapshot_timeline_matches_the_allocator_on_cuda(tmp_path: Path) -> None
     _, allocated = _truth_snapshot.timeline(snapshot, start)
     assert max(allocated) - start == 96 << 20 == mem.peak_bytes() - before
     assert (tmp_path / "s.pickle").stat().st_size > 0
+
+
+def test_archive_leaves_out_the_largest_snapshots_over_its_limit(tmp_path: Path) -> None:
+    import os
+
+    import gpu_truth
+
+    files = tmp_path / "gpu_truth"
+    files.mkdir()
+    (files / "summary.md").write_text("table\n")
+    for name, size in (("snapshot_keep.pickle", 300_000), ("snapshot_host.pickle", 200_000)):
+        (files / name).write_bytes(os.urandom(size))  # incompressible
+    archive = tmp_path / "a.tar.gz"
+    assert gpu_truth.write_archive(files, archive, 1 << 20) == []
+    dropped = gpu_truth.write_archive(files, archive, 250_000)
+    assert dropped == ["snapshot_keep.pickle (0.3 MiB)"] and archive.stat().st_size <= 250_000
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    assert "gpu_truth/snapshot_host.pickle" in names and "gpu_truth/archive_dropped.txt" in names
+    assert "gpu_truth/snapshot_keep.pickle" not in names
+
+
+def test_trim_frames_keeps_the_innermost_frames() -> None:
+    frames = [{"name": f"f{i}"} for i in range(30)]
+    snapshot = {"device_traces": [[{"action": "alloc", "size": 1, "frames": list(frames)}]],
+                "segments": [{"blocks": [{"size": 1, "frames": list(frames)}]}]}
+    _truth_snapshot.trim_frames(snapshot, max_frames=3)
+    assert snapshot["device_traces"][0][0]["frames"] == frames[:3]
+    assert snapshot["segments"][0]["blocks"][0]["frames"] == frames[:3]
