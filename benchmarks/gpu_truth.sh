@@ -10,7 +10,8 @@
 #
 #   OUT_DIR    gets exactly two files: summary.md (environment, tables, verdict rows) and
 #              gpu_truth.tar.gz (summary, results.json, progress and install logs, the caches'
-#              summaries, CUDA memory snapshots of a keep and a forced-host step, their PNG).
+#              summaries, CUDA memory snapshots of a keep and a forced-host step, their PNG),
+#              under 15 MiB (the largest snapshot left out, and named, above that).
 #   WHEEL_DIR  as benchmarks/gpu_suite.sh (default $TBA_WHEEL_DIR, benchmarks/wheels/,
 #              <repo>/.whl/): a tba-*.whl (else tba is built from this checkout), the kvikio set
 #              for GPUDirect Storage, wheels of transformers/matplotlib if the machine lacks them.
@@ -22,7 +23,7 @@
 
 set -uo pipefail
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 
