@@ -92,7 +92,7 @@ def target_rows(rows: list[dict[str, Any]], main_phases: list[str]) -> list[tupl
                         "PASS" if ok else "FAIL",
                         f"{ratio:.3f}x; decision: {defaults.get('decision') or 'NONE'}"))
     tba_rows = [r for r in rows if r.get("tba") and r["status"] == "ok"]
-    off = [f"{r['phase']}/{r['name']} {accounting_ratio(r) or float('nan'):.2f}x" for r in tba_rows
+    off = [f"{r['phase']}/{r['name']} {accounting_ratio(r) or float('nan'):.3f}x" for r in tba_rows
            if accounting_ratio(r) is None or abs((accounting_ratio(r) or 0) - 1) > ACCOUNTING_TOLERANCE]
     out.append((f"cache accounting within {ACCOUNTING_TOLERANCE:.0%} of the allocator on every tba row",
                 "SKIP" if not tba_rows else ("FAIL" if off else "PASS"),
