@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import tarfile
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -240,12 +241,36 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def publish(out: Path, files: Path, env: dict[str, Any], rows: list[dict[str, Any]], phases: list[Phase],
+            notes: list[str], args: argparse.Namespace, source: str, final: bool) -> str:
+    """Write ``summary.md`` and ``gpu_truth.tar.gz`` into ``out`` from what was measured so far
+    (after every phase too: a run killed later still leaves the phases it finished)."""
+    done = {r["phase"] for r in rows}
+    text = summary_text(env, rows, [p for p in phases if final or p.name in done], notes, source)
+    if not final:
+        text += "\n(written after a phase: the run had not finished)\n"
+    (files / "summary.md").write_text(text)
+    summaries = "\n\n".join(f"== {r['phase']}/{r['name']}\n{r.get('summary') or '(no cache)'}" for r in rows)
+    (files / "cache_summaries.txt").write_text(summaries + "\n")
+    (files / "results.json").write_text(json.dumps({"environment": env, "notes": notes, "rows": rows,
+                                                    "phases": [vars(p) for p in phases]}, indent=1, default=str))
+    for extra in args.attach:
+        if os.path.isfile(extra):
+            shutil.copy(extra, files / os.path.basename(extra))
+    dropped = write_archive(files, out / "gpu_truth.tar.gz.part", int(args.archive_mib * 2**20))
+    os.replace(out / "gpu_truth.tar.gz.part", out / "gpu_truth.tar.gz")
+    if dropped:
+        text += f"\nArchive over {args.archive_mib} MiB: left out {', '.join(dropped)}.\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     out = Path(args.out).resolve()
-    files = out / "gpu_truth"
-    shutil.rmtree(files, ignore_errors=True)
-    files.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    files = Path(tempfile.mkdtemp(prefix="tba_truth_")) / "gpu_truth"  # out gets the two files alone
+    files.mkdir()
     log = Progress(files / "progress.log")
     signal.signal(signal.SIGTERM, _stop)
     rows: list[dict[str, Any]] = []
@@ -259,8 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     mem: MemoryStats = CudaAllocator() if cuda else ProcessHeap()
     try:
-        made_ssd = args.ssd_dir is None
-        args.ssd_dir = args.ssd_dir or str(files / "ssd")
+        args.ssd_dir = args.ssd_dir or str(files.parent / "ssd")
         os.makedirs(args.ssd_dir, exist_ok=True)
         env["ssd_dir"] = f"{args.ssd_dir} ({_filesystem(args.ssd_dir)})"
         if _filesystem(args.ssd_dir).split()[0] in ("tmpfs", "overlay", "ramfs"):
@@ -285,34 +309,19 @@ def main(argv: list[str] | None = None) -> int:
         for n in notes:
             log(n)
         start, budget = time.perf_counter(), args.budget_s
-        total_share = sum(p.share for p in phases)
         for i, p in enumerate(phases):
             left = budget - (time.perf_counter() - start)
             share = left * p.share / sum(q.share for q in phases[i:]) if left > 0 else 0
             rows += run_phase(p, args, mem, files, log, time.perf_counter() + share)
-        log(f"measured in {time.perf_counter() - start:.0f} s of {budget:.0f} s ({total_share:.2f} shares)")
-        if made_ssd:
-            shutil.rmtree(args.ssd_dir, ignore_errors=True)
+            if i + 1 < len(phases):
+                publish(out, files, env, rows, phases, notes, args, mem.source, final=False)
+        log(f"measured in {time.perf_counter() - start:.0f} s of {budget:.0f} s")
     except BaseException as e:  # the archive always comes back, with what was measured
         notes.append(f"RUN STOPPED: {type(e).__name__}: {run.one_line(e)}")
         log(notes[-1])
-        shutil.rmtree(files / "ssd", ignore_errors=True)
     finally:
-        text = summary_text(env, rows, phases, notes, mem.source)
-        (out / "summary.md").write_text(text)
-        (files / "summary.md").write_text(text)
-        summaries = "\n\n".join(f"== {r['phase']}/{r['name']}\n{r.get('summary') or '(no cache)'}" for r in rows)
-        (files / "cache_summaries.txt").write_text(summaries + "\n")
-        (files / "results.json").write_text(json.dumps({"environment": env, "notes": notes, "rows": rows,
-                                                        "phases": [vars(p) for p in phases]}, indent=1, default=str))
-        for extra in args.attach:
-            if os.path.isfile(extra):
-                shutil.copy(extra, files / os.path.basename(extra))
-        dropped = write_archive(files, out / "gpu_truth.tar.gz", int(args.archive_mib * 2**20))
-        if dropped:
-            text += f"\nArchive over {args.archive_mib} MiB: left out {', '.join(dropped)}.\n"
-            (out / "summary.md").write_text(text)
-        shutil.rmtree(files, ignore_errors=True)
+        text = publish(out, files, env, rows, phases, notes, args, mem.source, final=True)
+        shutil.rmtree(files.parent, ignore_errors=True)
         print(text, flush=True)
     failed = any(s == "FAIL" for _, s, _ in verdict.target_rows(rows, [p.name for p in phases if p.name.startswith("main")]))
     return 1 if failed else 0

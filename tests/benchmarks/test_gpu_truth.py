@@ -6,6 +6,7 @@ flagged, a deciding row must state its decision."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -253,8 +254,6 @@ def test_snapshot_timeline_matches_the_allocator_on_cuda(tmp_path: Path) -> None
 
 
 def test_archive_leaves_out_the_largest_snapshots_over_its_limit(tmp_path: Path) -> None:
-    import os
-
     import gpu_truth
 
     files = tmp_path / "gpu_truth"
@@ -279,3 +278,35 @@ def test_trim_frames_keeps_the_innermost_frames() -> None:
     _truth_snapshot.trim_frames(snapshot, max_frames=3)
     assert snapshot["device_traces"][0][0]["frames"] == frames[:3]
     assert snapshot["segments"][0]["blocks"][0]["frames"] == frames[:3]
+
+
+def test_a_run_killed_mid_way_leaves_the_phases_it_finished(tmp_path: Path) -> None:
+    # SIGKILL (no handler runs) when the second phase starts building: the first phase's
+    # summary and archive were written when it ended.
+    driver = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(BENCH)!r})
+        import _truth_run as run
+        original = run.build
+
+        def build(phase, name, ctx):
+            if phase == "main b16":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(phase, name, ctx)
+
+        run.build = build
+        import gpu_truth
+        gpu_truth.main([{str(tmp_path)!r}, "--tiny", "--phases", "main", "--steps", "2", "--warmup", "1",
+                        "--ssd-dir", {str(tmp_path / "ssd")!r}])
+    """)
+    (tmp_path / "tmp").mkdir()  # the killed run's staging folder stays there, not in /tmp
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## main b8:" in summary and "## main b16" not in summary
+    assert "(written after a phase: the run had not finished)" in summary
+    with tarfile.open(tmp_path / "gpu_truth.tar.gz") as tar:
+        member = tar.extractfile("gpu_truth/results.json")
+        assert member is not None
+        assert {r["phase"] for r in json.load(member)["rows"]} == {"main b8"}
