@@ -5,6 +5,7 @@ baseline and the warning where tba's accounting differs by more than 10% are tes
 from __future__ import annotations
 
 import doctest
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,14 @@ class FakeAllocator:
         self.step_peaks = step_peaks
         self.step = 0
         self.log: list[str] = []
+        self.tensor_bytes_at_baseline: list[int] = []
 
     def synchronize(self) -> None:
         self.log.append("sync")
 
     def allocated_bytes(self) -> int:
         self.log.append("allocated")
+        self.tensor_bytes_at_baseline.append(_live_tensor_bytes())
         return BASELINE
 
     def reserved_bytes(self) -> int:
@@ -53,6 +56,17 @@ class FakeAllocator:
 
     def peak_reserved_bytes(self) -> int:
         return BASELINE + (1 << 20) + 2 * self.step_peaks[self.step - 1]
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor Python holds now (what a CPU "allocator"
+    would hold after set-up: weights, gradients, optimizer state)."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def test_cuda_reads_torch_cuda_and_cpu_reads_no_allocator() -> None:
@@ -75,6 +89,11 @@ def test_the_allocators_peak_over_the_baseline_is_the_axis(strategy: str, counte
     # The baseline is read once, before the first measured step; each measured step (and no
     # warm-up or accounting step) resets the peak before it and reads it after.
     assert fake.log.index("allocated") < fake.log.index("reset") and fake.log.count("allocated") == 1
+    # ... after set-up: weights, gradients and AdamW's two moments exist (4x the weights).
+    model = _rok_worker.build_model(spec()["model"], "cpu", "float32")
+    weights = sum(p.nbytes for p in model.parameters())
+    assert fake.tensor_bytes_at_baseline[0] >= 4 * weights + _live_tensor_bytes() - weights, (
+        fake.tensor_bytes_at_baseline, weights)
     resets = [e for e in fake.log if e in ("reset", "peak")]
     assert resets == ["reset", "peak"] * 3, fake.log
     # tba's accounting beside it, the same number as without an allocator.
