@@ -26,8 +26,12 @@ mean, min and max over its samples, and each comparison with keep is made per pa
 warning when the spread makes it meaningless (Note [When a comparison means nothing] in
 ``_spread``).
 
-Activation peak (the x-axis; Note [One measure of activation memory] in ``_saved``): the
-peak, during a step, of the bytes of saved activations held in the training device's memory,
+Activation peak (the x-axis). On CUDA the allocator's, for every strategy (Note [The allocator
+is the activation axis on CUDA] in ``_allocator``): ``max_memory_allocated()`` in a measured
+step (peak reset before it) minus ``memory_allocated()`` after set-up, maximum over the
+measured steps; tba's accounting below stays beside it (``counted_activation_peak_bytes``) and
+the summary and figure warn where the two differ by more than 10%. On CPU (and as that
+accounting; Note [One measure of activation memory] in ``_saved``): the peak, during a step, of the bytes of saved activations held in the training device's memory,
 the same quantity for every strategy. tba strategies: the cache's own count
 (``stats().peak_resident_bytes``, maximum over the measured steps). keep and the
 checkpointing strategies: a counting saved-tensor hook (``SavedActivationMeter``) on the

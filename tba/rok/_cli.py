@@ -137,10 +137,11 @@ def _load_avg() -> list[float] | None:
 
 def _budget_for(sample: Sample, samples: list[dict[str, Any]], fraction: float) -> int | None:
     """The budget strategy's ``activation_budget_bytes`` at this batch: ``fraction`` of keep's
-    activation peak at the same batch (an exact count, the same in every pass)."""
-    peaks = [r["activation_peak_bytes"] for r in samples
+    activation peak at the same batch as tba counts it (an exact count, the same in every pass;
+    the unit the cache enforces its budget in, also where the x-axis is the allocator's)."""
+    peaks = [r.get("counted_activation_peak_bytes") or r["activation_peak_bytes"] for r in samples
              if r["strategy"] == "keep" and r["batch_size"] == sample.batch_size and r.get("status") == "ok"
-             and r.get("activation_peak_bytes")]
+             and (r.get("counted_activation_peak_bytes") or r.get("activation_peak_bytes"))]
     return int(fraction * peaks[0]) if peaks else None
 
 

@@ -6,6 +6,11 @@ device against model throughput) with error bars on both axes, the overhead at e
 with its per-pass range, and the secondary memory measure (process RSS on CPU, PyTorch's
 allocated-memory peak on CUDA) against batch size.
 
+Where the activation axis is the allocator's (CUDA: Note [The allocator is the activation axis on
+CUDA] in ``_allocator``), the secondary panel is tba's own accounting instead, and points whose
+accounting differs from the allocator's by more than 10% are ringed in red and listed under the
+main panel.
+
 Points that coincide (a policy that kept every block measures keep's activations, at about
 keep's throughput) are said so in the legend, and their batch labels go below the point, not
 on top of the other strategy's label. The main panel's title names the passes that ran.
@@ -16,6 +21,8 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 from typing import Any
+
+from tba.rok._allocator import TOLERANCE, accounting_gap
 
 __all__ = ["plot", "plot_series"]
 
@@ -64,12 +71,15 @@ def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: boo
 
     scale = 1e12 if cuda else 1e9
     curve: dict[str, dict[str, Any]] = {}
-    secondary_key = "cuda_max_allocated_delta_bytes" if cuda else "process_rss_peak_bytes"
+    allocator = summary.get("activation_source") == "allocator"
+    secondary_key = ("counted_activation_peak_bytes" if allocator else
+                     "cuda_max_allocated_delta_bytes" if cuda else "process_rss_peak_bytes")
     secondary: dict[str, dict[str, Any]] = {}
     for p in sorted((p for p in points if p["status"] == "ok"), key=lambda p: p["batch_size"]):
         c = curve.setdefault(p["strategy"], {"batch_sizes": [], "n": [], "x": [], "x_min": [], "x_max": [], "y": [],
-                                             "y_min": [], "y_max": [], "kept_every_block": []})
+                                             "y_min": [], "y_max": [], "kept_every_block": [], "gaps": []})
         c["batch_sizes"].append(p["batch_size"])
+        c["gaps"].append(accounting_gap(p, summary.get("accounting_tolerance", TOLERANCE)) is not None)
         if p.get("decision_tail_start") == 0:  # a policy's decision: no block offloaded
             c["kept_every_block"].append(p["batch_size"])
         c["n"].append(p["num_samples"])
@@ -101,8 +111,12 @@ def plot_series(points: list[dict[str, Any]], summary: dict[str, Any], cuda: boo
             o["y_max"].append(r["max"])
             o["meaningless"].append(comp["step_time_vs_keep"]["warning"] is not None)
         o["yerr"] = _err(o["y"], o["y_min"], o["y_max"])
+    gaps = summary.get("accounting_gaps", [])
+    warning = (f"WARNING (red rings): allocator and tba's accounting differ by more than "
+               f"{summary['accounting_tolerance']:.0%} at " + "; ".join(gaps)) if gaps else None
     return {"curve": curve, "overhead": overhead, "secondary": secondary, "secondary_key": secondary_key,
-            "throughput_unit": "TFLOP/s" if cuda else "GFLOP/s", "title": title}
+            "throughput_unit": "TFLOP/s" if cuda else "GFLOP/s", "title": title, "allocator": allocator,
+            "accounting_warning": warning}
 
 
 def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env: dict[str, Any],
@@ -128,6 +142,9 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
             continue
         ax.errorbar(c["x"], c["y"], xerr=c["xerr"], yerr=c["yerr"], fmt="o-", color=color, label=c["legend"], lw=2,
                     ms=5, capsize=3, elinewidth=1)
+        ringed = [(xi, yi) for xi, yi, gap in zip(c["x"], c["y"], c["gaps"]) if gap]
+        if ringed:
+            ax.plot(*zip(*ringed), "o", ms=14, mfc="none", mec="red", mew=1.5)
         for b, xi, yi, on in zip(c["batch_sizes"], c["x"], c["y"], c["on"]):
             ax.annotate(f"b={b}", (xi, yi), textcoords="offset points", xytext=(4, -11 if on else 5), fontsize=7,
                         color=color)
@@ -146,7 +163,9 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
     # Batch sizes double along a line: a log axis spaces every strategy's points alike.
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel("activation peak on the training device, MiB, log scale (left is better)")
+    ax.set_xlabel("activation peak from the allocator, MiB, log scale (left is better)\n(max_memory_allocated in "
+                  "a step - after set-up)" if series["allocator"] else
+                  "activation peak on the training device, MiB, log scale (left is better)")
     ax.set_ylabel(f"model throughput, {series['throughput_unit']} (recompute not counted; up is better)")
     ax.set_title(series["title"], fontsize=9)
     ax.grid(alpha=0.3)
@@ -161,7 +180,11 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
     ax_o.set_ylabel("step time / keep's (same pass)")
     ax_o.set_title("overhead at equal batch: median, bars = min..max over passes;\nhollow = spread makes the "
                    "comparison meaningless", fontsize=9)
-    if cuda:
+    if series["allocator"]:
+        ax_p.set_ylabel("tba's accounting of saved activations, MiB")
+        ax_p.set_title("secondary: tba's accounting\n(cache peak resident; meter: keep, recompute)",
+                       fontsize=9)
+    elif cuda:
         ax_p.set_ylabel("max_memory_allocated in a step - after set-up, MiB")
         ax_p.set_title("secondary: PyTorch's allocated GPU memory peak\n(activations and the step's temporaries)",
                        fontsize=9)
@@ -183,9 +206,14 @@ def plot(path: Path, points: list[dict[str, Any]], summary: dict[str, Any], env:
             + (f"; load average at start {load[0]:.2f}" if load else "")
             + "; " + "; ".join(notes) + f"; command: {env['command']}")
     fig.text(0.01, 0.01, "\n".join(textwrap.wrap(foot, 220)), fontsize=7, va="bottom", family="monospace")
-    fig.tight_layout(rect=(0, 0.12, 1, 0.95))
+    warning = series["accounting_warning"]
+    bottom = 0.17 if warning else 0.12  # room for the warning between the caption and the footer
+    fig.tight_layout(rect=(0, bottom, 1, 0.95))
     # The caption under the main panel: what "the training device" is in this run.
-    fig.text(ax.get_position().x0, 0.1, device_caption(cuda), fontsize=8.5, va="top", style="italic")
+    fig.text(ax.get_position().x0, bottom - 0.02, device_caption(cuda), fontsize=8.5, va="top", style="italic")
+    if warning:
+        fig.text(ax.get_position().x0, bottom - 0.05, "\n".join(textwrap.wrap(warning, 200)),
+                 fontsize=8, va="top", color="red")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return series

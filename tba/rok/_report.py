@@ -15,6 +15,7 @@ _SPREAD_COLUMNS = [f"{k}{x}" for k in SPREAD_METRICS for x in ("", "_mean", "_mi
 # docs/rok.md describes every column.
 CSV_COLUMNS = [
     "strategy", "batch_size", "status", "num_samples", "num_failed", "num_skipped", *_SPREAD_COLUMNS, "activation_peak_source",
+    "counted_activation_peak_bytes", "counted_activation_peak_source", "counted_vs_allocator", "allocator_source",
     "meter_saved_bytes", "meter_recomputed_bytes", "meter_reloaded_bytes", "num_saved_storages",
     "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kept_bytes", "cache_reloaded_bytes",
     "cache_num_family_entries", "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s", "cache_io_cpu_s",
@@ -24,7 +25,8 @@ CSV_COLUMNS = [
     "model_flops_per_step", "load_avg_1min",
 ]
 SAMPLE_COLUMNS = [
-    "repeat", "strategy", "batch_size", "status", "activation_peak_bytes", "step_time_s", "model_flops_per_s",
+    "repeat", "strategy", "batch_size", "status", "activation_peak_bytes", "counted_activation_peak_bytes",
+    "step_time_s", "model_flops_per_s",
     "tokens_per_s", "process_rss_peak_bytes", "cuda_max_allocated_delta_bytes", "cuda_max_reserved_delta_bytes",
     "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_stall_s", "cache_io_cpu_s",
     "activation_budget_bytes", "budget_met", "decision_tail_start", "warmup_steps_run", "load_avg_1min", "started_s",
@@ -35,8 +37,9 @@ SAMPLE_COLUMNS = [
 def device_caption(cuda: bool) -> str:
     """What "the training device" means for the activation peak, in one line."""
     if cuda:
-        return ("training device = the GPU: the activation peak counts saved activations held in GPU memory at the "
-                "step's peak, not those tba moved out")
+        return ("training device = the GPU: the activation peak is the allocator's (max_memory_allocated in a step "
+                "minus memory_allocated after set-up: activations and the step's temporaries), for every strategy; "
+                "tba's own accounting beside it")
     return ("training device = host memory on CPU: the activation peak counts saved activations the training process "
             "holds at the step's peak, not those tba moved to its host pool or SSD")
 
@@ -95,6 +98,8 @@ def sample_line(row: dict[str, Any], cuda: bool) -> str:
         return f"{head} {row.get('status')}"
     rss = row.get("process_rss_peak_bytes")
     return (f"{head} activations {_mib(row['activation_peak_bytes']):>11}"
+            + (f" (accounting {_mib(row.get('counted_activation_peak_bytes'))})"
+               if row.get("activation_peak_source") == "allocator" else "")
             + (f" (RSS {_mib(rss)})" if rss is not None else "")
             + f"  step {row['step_time_s']:.3f} s  {_flops(row['model_flops_per_s'], cuda)}")
 
@@ -204,6 +209,9 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
         lines.append(f"  {p['strategy']:<18} b={p['batch_size']:<4} n={p['num_samples']}" + _not_run(p)
                      + f"  activations {_mib(p['activation_peak_bytes'])} ({p['activation_peak_bytes_min'] / 2**20:.1f}.."
                        f"{p['activation_peak_bytes_max'] / 2**20:.1f})"
+                     + (f"  accounting {_mib(p.get('counted_activation_peak_bytes'))} "
+                        f"({p.get('counted_activation_peak_source')}, {p['counted_vs_allocator']:.2f}x)"
+                        if "counted_vs_allocator" in p else "")
                      + (f"  RSS {_mib(rss)}" if rss is not None else "")
                      + f"  step {p['step_time_s'] * 1e3:.0f} ms ({p['step_time_s_min'] * 1e3:.0f}.."
                        f"{p['step_time_s_max'] * 1e3:.0f})"
@@ -212,6 +220,7 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
                         if "activation_budget_bytes" in p else "")
                      + (f"  policy offloads {p['decision_tail_start']} of {p.get('decision_num_blocks', '?')} blocks"
                         if "decision_tail_start" in p else ""))
+    lines += _accounting_lines(summary)
     warnings = summary["warnings"]
     if warnings:
         single = [w for w in warnings if "one sample" in w]
@@ -225,6 +234,20 @@ def format_summary(summary: dict[str, Any], points: list[dict[str, Any]], config
         lines.append("warnings: none (every comparison's spread is smaller than its difference, or within "
                      f"{summary['noise_floor']:.0%})")
     return "\n".join(lines)
+
+
+def _accounting_lines(summary: dict[str, Any]) -> list[str]:
+    """Where the activation axis is the allocator's: the points whose accounting differs from it
+    by more than the tolerance (Note [The allocator is the activation axis on CUDA])."""
+    if summary.get("activation_source") != "allocator":
+        return []
+    tolerance = summary["accounting_tolerance"]
+    gaps = summary["accounting_gaps"]
+    if not gaps:
+        return [f"allocator vs tba's accounting: within {tolerance:.0%} at every point"]
+    return [f"WARNING allocator vs tba's accounting differ by more than {tolerance:.0%} at {len(gaps)} points "
+            f"(the step's temporaries, or memory tba's books miss: the allocator's figure is the one to believe):",
+            *(f"  {gap}" for gap in gaps)]
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:

@@ -2,8 +2,9 @@
 module of :mod:`tba.rok`).
 
 RSS and its resettable high-water mark, the glibc settings that make RSS follow live memory
-(see the docstring of :mod:`tba.rok`), and what a step adds to them and, on CUDA, to
-PyTorch's allocated and reserved device memory.
+(see the docstring of :mod:`tba.rok`), and what a step adds to them and, where the device has
+an allocator (CUDA), to its allocated and reserved memory (Note [The allocator is the activation
+axis on CUDA] in ``_allocator``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import os
 import platform
 import resource
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tba.rok._allocator import MemoryStats
 
 __all__ = ["RSS", "StepMemory", "configure_malloc"]
 
@@ -92,46 +97,57 @@ class RSS:
 class StepMemory:
     """What each training step adds to the memory held after set-up (weights, gradients and
     optimizer state): process RSS (high-water mark during the step minus RSS after set-up),
-    and on CUDA ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` during the step
-    minus their values after set-up. ``start`` before a step, ``finish`` after it (the device
-    synchronised); the maximum over the steps finished is kept."""
+    and where the device has an allocator (``device``: :class:`~tba.rok._allocator.MemoryStats`)
+    its peak allocated and reserved bytes during the step minus their values after set-up.
+    ``start`` before a step, ``finish`` after it; the maximum over the steps finished is kept
+    (and the allocator's per step)."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+    def __init__(self, device: MemoryStats | None) -> None:
+        self.device = device
         self.rss = RSS()
         self.baseline: dict[str, int] = {}
         self.peaks: dict[str, int] = {}
+        self.allocated_per_step: list[int] = []
         self._before = 0
 
     def take_baseline(self) -> None:
         self.baseline = {"rss": self.rss.current()}
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            self.baseline.update(allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved())
+        if self.device is not None:
+            self.device.synchronize()
+            self.baseline.update(allocated=self.device.allocated_bytes(), reserved=self.device.reserved_bytes())
 
     def start(self) -> None:
         self._before = self.rss.current()
         self.rss.reset_peak()
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        if self.device is not None:
+            self.device.synchronize()
+            self.device.reset_peak()
 
     def finish(self) -> None:
+        """After the step (its device work synchronised here first)."""
+        if self.device is not None:
+            self.device.synchronize()
         peak = self.rss.peak()
         found = {"process_rss_peak_bytes": peak - self.baseline["rss"], "process_rss_step_delta_bytes": peak - self._before}
-        if self.cuda:
-            import torch
-
-            found["cuda_max_allocated_delta_bytes"] = torch.cuda.max_memory_allocated() - self.baseline["allocated"]
-            found["cuda_max_reserved_delta_bytes"] = torch.cuda.max_memory_reserved() - self.baseline["reserved"]
+        if self.device is not None:
+            allocated = self.device.peak_allocated_bytes() - self.baseline["allocated"]
+            self.allocated_per_step.append(allocated)
+            found["cuda_max_allocated_delta_bytes"] = allocated
+            found["cuda_max_reserved_delta_bytes"] = self.device.peak_reserved_bytes() - self.baseline["reserved"]
         for key, value in found.items():
             self.peaks[key] = max(value, self.peaks.get(key, value))
 
-    def row(self) -> dict[str, int | str]:
+    @property
+    def allocator_peak(self) -> int | None:
+        """The allocator's activation peak: the most a measured step allocated over set-up
+        (None without an allocator or before a step finished)."""
+        return self.peaks.get("cuda_max_allocated_delta_bytes")
+
+    def row(self) -> dict[str, Any]:
         """The columns: the peaks, the baseline and how RSS was read."""
-        return {**self.peaks, "process_rss_after_setup_bytes": self.baseline["rss"],
-                "process_rss_method": f"RSS high-water ({self.rss.method}) - RSS after set-up"}
+        out: dict[str, Any] = {**self.peaks, "process_rss_after_setup_bytes": self.baseline["rss"],
+                               "process_rss_method": f"RSS high-water ({self.rss.method}) - RSS after set-up"}
+        if self.device is not None:
+            out["allocator_activation_peak_per_step"] = list(self.allocated_per_step)
+            out["allocator_source"] = f"{self.device.name} in a step - memory_allocated after set-up"
+        return out

@@ -13,7 +13,10 @@ and range. The summary compares each strategy with ``keep`` three ways:
     within a budget in every sample, and its model throughput over keep's at keep's largest
     batch within the same budget, per pass.
 
-The activation peak is Note [One measure of activation memory] (in ``_saved``).
+The activation peak is the allocator's on CUDA (Note [The allocator is the activation axis on
+CUDA] in ``_allocator``; tba's accounting beside it, and where the two differ by more than 10%
+the summary lists the points) and Note [One measure of activation memory] (in ``_saved``) on
+the CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from tba.rok._allocator import TOLERANCE, accounting_gap
 from tba.rok._spread import NOISE_FLOOR, comparison_warning, spread
 
 __all__ = ["SPREAD_METRICS", "aggregate", "summarize"]
@@ -30,13 +34,14 @@ __all__ = ["SPREAD_METRICS", "aggregate", "summarize"]
 # a sample are reported by their median.
 SPREAD_METRICS = ("step_time_s", "model_flops_per_s", "tokens_per_s", "activation_peak_bytes",
                   "process_rss_peak_bytes")
-_MEDIAN_ONLY = ("cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kept_bytes", "cache_reloaded_bytes",
+_MEDIAN_ONLY = ("counted_activation_peak_bytes", "cache_peak_resident_bytes", "cache_offloaded_bytes", "cache_kept_bytes", "cache_reloaded_bytes",
                 "cache_num_family_entries", "cache_stall_s", "cache_write_bytes_per_s", "cache_read_bytes_per_s",
                 "cache_io_cpu_s", "meter_saved_bytes", "meter_recomputed_bytes", "meter_reloaded_bytes",
                 "num_saved_storages", "process_rss_step_delta_bytes", "process_rss_after_setup_bytes",
                 "cuda_max_allocated_delta_bytes", "cuda_max_reserved_delta_bytes", "activation_budget_bytes",
                 "warmup_steps_run", "load_avg_1min")
-_FIRST = ("plan_activation_bytes", "model_flops_per_step", "activation_peak_source", "process_rss_method",
+_FIRST = ("plan_activation_bytes", "model_flops_per_step", "activation_peak_source",
+          "counted_activation_peak_source", "allocator_source", "process_rss_method",
           "offloader", "adaptive", "decision_tail_start", "decision_num_blocks", "decision_reason",
           "decision_unsettled")
 _ALL = ("budget_met",)  # booleans: true only when true in every sample
@@ -87,6 +92,9 @@ def aggregate(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             vals = [s[key] for s in ok if s.get(key) is not None]
             if vals:
                 point[key] = all(vals)
+        if point.get("activation_peak_source") == "allocator" and point.get("activation_peak_bytes") and \
+                point.get("counted_activation_peak_bytes") is not None:
+            point["counted_vs_allocator"] = point["counted_activation_peak_bytes"] / point["activation_peak_bytes"]
         points.append(point)
     return points
 
@@ -112,8 +120,10 @@ def _comparison(samples: Sequence[dict[str, Any]], key: str, strategy: str, b: i
 
 
 def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]], budget_bytes: int | None,
-              noise_floor: float = NOISE_FLOOR) -> dict[str, Any]:
+              noise_floor: float = NOISE_FLOOR, tolerance: float = TOLERANCE) -> dict[str, Any]:
     """Both framings (module docstring) with their spreads and warnings; see Note [When a comparison means nothing].
+    Where the activation axis is the allocator's, the points whose accounting differs from it
+    by more than ``tolerance`` (``accounting_gaps``).
 
     ``budget_bytes`` None: keep's peak at keep's median batch (the largest of its samples).
     """
@@ -168,7 +178,10 @@ def summarize(samples: Sequence[dict[str, Any]], points: Sequence[dict[str, Any]
                                         f"{entry['throughput_vs_keep']['warning']}")
             equal_budget[s] = entry
     largest = _at_largest_batch(samples, ok, noise_floor)
-    return {"noise_floor": noise_floor, "largest_batch": largest, "headline": headline(largest),
+    sources = {p.get("activation_peak_source") for pts in ok.values() for p in pts.values()}
+    gaps = [gap for pts in ok.values() for p in pts.values() if (gap := accounting_gap(p, tolerance)) is not None]
+    return {"noise_floor": noise_floor, "activation_source": "allocator" if "allocator" in sources else "accounting",
+            "accounting_tolerance": tolerance, "accounting_gaps": gaps, "largest_batch": largest, "headline": headline(largest),
             "above_keep": above_keep(ok, equal_batch), "equal_batch": equal_batch, "budget_bytes": budget_bytes,
             "budget_source": budget_source if budget_bytes is not None else None, "equal_budget": equal_budget,
             "keep_batch_within_budget": equal_budget.get("keep", {}).get("largest_batch"),
@@ -229,7 +242,11 @@ def above_keep(ok: dict[str, dict[int, dict[str, Any]]], equal_batch: dict[str, 
             mib = 2**20
             head = (f"{s} b={b_text}: {p['activation_peak_bytes'] / mib:.1f} MiB, {r['median']:.2f}x keep's "
                     f"{keep['activation_peak_bytes'] / mib:.1f} MiB: ")
-            if p.get("activation_peak_source") == "meter":
+            source = p.get("counted_activation_peak_source", p.get("activation_peak_source"))
+            if p.get("activation_peak_source") == "allocator":
+                head += (f"tba's accounting ({source}) {p.get('counted_activation_peak_bytes', 0) / mib:.1f} MiB, "
+                         f"keep's {keep.get('counted_activation_peak_bytes', 0) / mib:.1f} MiB; ")
+            if source == "meter":
                 why = (f"at its peak {p.get('meter_saved_bytes', 0) / mib:.1f} MiB saved in forward, "
                        f"{p.get('meter_recomputed_bytes', 0) / mib:.1f} MiB saved again by a checkpointed block's "
                        f"recomputation in backward, {p.get('meter_reloaded_bytes', 0) / mib:.1f} MiB read back")

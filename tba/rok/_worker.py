@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from tba.rok._allocator import MemoryStats, activation_columns, memory_stats_for
 from tba.rok._rss import StepMemory, configure_malloc
 from tba.rok._warmup import Warmup, tail_start
 
@@ -86,10 +87,13 @@ def _cache_stats_dict(stats) -> dict[str, Any]:
     return {f"cache_{k}": v for k, v in dataclasses.asdict(stats).items()}
 
 
-def run_point(spec: dict[str, Any]) -> dict[str, Any]:
-    """Measure one (strategy, batch size) point. Never raises: errors become a status."""
+def run_point(spec: dict[str, Any], memory_stats: MemoryStats | None = None) -> dict[str, Any]:
+    """Measure one (strategy, batch size) point. Never raises: errors become a status.
+
+    ``memory_stats``: the allocator whose peak is the activation axis (default: the device's,
+    ``memory_stats_for``; tests inject a fake one on the CPU)."""
     try:
-        return _run_point(spec)
+        return _run_point(spec, memory_stats)
     except Exception as e:  # a failed point must not stop the sweep; the reason is reported
         tb = traceback.format_exc(limit=6)
         return {"status": f"failed: {type(e).__name__}: {_one_line(e)}", "traceback": tb}
@@ -153,7 +157,7 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
+def _run_point(spec: dict[str, Any], memory_stats: MemoryStats | None) -> dict[str, Any]:
     wall0, cpu0 = time.perf_counter(), _cpu_s()
     malloc = configure_malloc(spec.get("mmap_threshold_bytes")) if spec["device"] == "cpu" else "n/a"
     import torch
@@ -198,7 +202,9 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         return loss.item()
 
     gc.collect()
-    memory = StepMemory(cuda)
+    # Note [The allocator is the activation axis on CUDA]: the baseline after set-up (weights,
+    # gradients, optimizer state and the cache's own set-up).
+    memory = StepMemory(memory_stats if memory_stats is not None else memory_stats_for(device))
     memory.take_baseline()
     times, all_stats, tail_starts = [], [], []
     loss = float("nan")
@@ -224,7 +230,7 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
             with meter.measuring():
                 step()
         if meter is not None:
-            counted = {"activation_peak_bytes": meter.peak_bytes, "num_saved_storages": meter.num_storages,
+            counted = {"num_saved_storages": meter.num_storages,
                        **{f"meter_{kind}_bytes": n for kind, n in meter.peak_by_kind.items()}}
         for _ in range(spec["steps"]):
             gc.collect()
@@ -254,7 +260,6 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {
         "status": "ok",
         **counted,
-        "activation_peak_source": "meter" if meter is not None else "cache",
         "step_time_s": step_time,
         "model_flops_per_s": flops / step_time,
         "tokens_per_s": b * m["seq_len"] / step_time,
@@ -285,9 +290,11 @@ def _run_point(spec: dict[str, Any]) -> dict[str, Any]:
         row.update(_cache_stats_dict(all_stats[-1]))
         row["cache_peak_resident_bytes"] = max(s.peak_resident_bytes for s in all_stats)
         row["cache_stall_s"] = statistics.median(s.stall_s for s in all_stats)
-        row.setdefault("activation_peak_bytes", row["cache_peak_resident_bytes"])
         if "activation_budget_bytes" in row:
             row["budget_met"] = row["cache_peak_resident_bytes"] <= row["activation_budget_bytes"]
+    # Note [The allocator is the activation axis on CUDA]
+    row.update(activation_columns(meter.peak_bytes if meter is not None else row.get("cache_peak_resident_bytes"),
+                                  "meter" if meter is not None else "cache", memory.allocator_peak))
     return row
 
 

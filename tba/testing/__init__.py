@@ -23,6 +23,9 @@ For extenders (a new offloader, a scheduler integration) and tba's own tests:
   whose best boundary is known, for tests of what the adaptive policy decides.
 - :func:`probe` is a read-only view of a cache's insides (entries and their states, the
   running step's records, counters, hooks held); tba's own tests read the cache through it.
+- :class:`StorageWatch` tells from outside the cache whether storages were really freed
+  (finalizers on the storages of module outputs, saved tensors or a compiled graph's stores),
+  where the cache's own count could read low while a stray reference keeps them alive.
 
 ``import tba`` does not import this package; import ``tba.testing`` explicitly.
 
@@ -41,6 +44,7 @@ from tba.testing._broken import CorruptingOffloader, ForgetfulOffloader
 from tba.testing._chaos import ChaosOffloader
 from tba.testing._determinism import initialise_vector_math
 from tba.testing._fakes import FakeOffloader, RecordingStreams
+from tba.testing._liveness import StorageWatch
 from tba.testing._parity import check_parity
 from tba.testing._report import Mismatch, ParityReport
 from tba.offloaders.wrapper import OffloaderWrapper
@@ -61,6 +65,7 @@ __all__ = [
     "initialise_vector_math",
     "probe",
     "CacheProbe",
+    "StorageWatch",
     "drive_closed_loop",
     "FakeStepClock",
     "ScriptedWorld",

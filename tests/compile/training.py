@@ -147,12 +147,14 @@ def joint_of(model_name: str, **tba_options: Any) -> Joint:
 
 def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, steps: int = 3,
           settle: bool = True, measure: bool = False, dynamic: bool | None = None,
-          batches: Callable[[int], Any] | None = None, device: str = "cpu") -> Run:
+          batches: Callable[[int], Any] | None = None, device: str = "cpu",
+          after_forward: Callable[[tba.TensorCache | None], None] | None = None) -> Run:
     """``steps`` Adam steps of ``model_name`` compiled with ``fullgraph=True``: by ``inner``
     alone (``tba_options`` None) or by ``backend="tba"`` over ``inner`` with a cache made from
     ``tba_options``. With ``settle`` every store completes before backward (so backward reads
     back); with ``measure`` the saved-activation meter of the ROK sweep counts the step. On
-    ``device`` (model, batches and ``offload_devices``)."""
+    ``device`` (model, batches and ``offload_devices``). ``after_forward(cache)`` runs after
+    each forward (and the settle), before its backward."""
     dynamo.reset()
     counters.clear()
     make_model, make_batch = MODELS[model_name]
@@ -179,6 +181,8 @@ def train(model_name: str, inner: str, tba_options: dict[str, Any] | None, *, st
                     loss = forward_loss(compiled, batch)
                     if cache is not None and settle:
                         cache.wait_for_stores(60)
+                    if after_forward is not None:
+                        after_forward(cache)
                     loss.backward()
                 if cache is not None:
                     run.step_offloaded.append(cache.stats().offloaded_bytes)
