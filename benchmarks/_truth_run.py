@@ -133,8 +133,8 @@ def _blocks(cache: Any, offloaded: int) -> int:
 def timed_step(r: Runner, ids: torch.Tensor, mem: MemoryStats) -> dict[str, Any]:
     """One training step: wall time, allocator peak over what was allocated before it, and
     what the cache did in it."""
-    mem.sync()
-    before = mem.current_bytes()
+    mem.synchronize()
+    before = mem.allocated_bytes()
     mem.reset_peak()
     start = time.perf_counter()
     loss = r.forward(input_ids=ids, labels=ids).loss
@@ -142,9 +142,9 @@ def timed_step(r: Runner, ids: torch.Tensor, mem: MemoryStats) -> dict[str, Any]
     del loss
     r.optimizer.step()
     r.optimizer.zero_grad(set_to_none=False)
-    mem.sync()
+    mem.synchronize()
     sample: dict[str, Any] = {"time_s": time.perf_counter() - start, "before_bytes": before,
-                              "act_peak_bytes": mem.peak_bytes() - before}
+                              "act_peak_bytes": mem.peak_allocated_bytes() - before}
     if r.cache is not None:
         s = r.cache.stats()
         sample.update(offloaded_bytes=s.offloaded_bytes, reloaded_bytes=s.reloaded_bytes, num_offloaded=s.num_offloaded,

@@ -45,7 +45,7 @@ import _truth_run as run  # noqa: E402
 import _truth_snapshot as snap  # noqa: E402
 import _truth_verdict as verdict  # noqa: E402
 from _environment import command_line, describe  # noqa: E402
-from _truth_memory import CudaAllocator, MemoryStats, ProcessHeap  # noqa: E402
+from _truth_memory import CudaMemoryStats, MemoryStats, ProcessHeap, describe_source  # noqa: E402
 from _truth_phases import Phase, plan_phases, predict_hide, shape_of  # noqa: E402
 from tba import plan  # noqa: E402
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         env["launched by"] = os.environ["TBA_TRUTH_LAUNCHER"]
     env.update(cuda=torch.version.cuda, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     notes: list[str] = []
-    mem: MemoryStats = CudaAllocator() if cuda else ProcessHeap()
+    mem: MemoryStats = CudaMemoryStats() if cuda else ProcessHeap()
     try:
         args.ssd_dir = args.ssd_dir or str(files.parent / "ssd")
         os.makedirs(args.ssd_dir, exist_ok=True)
@@ -314,13 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             share = left * p.share / sum(q.share for q in phases[i:]) if left > 0 else 0
             rows += run_phase(p, args, mem, files, log, time.perf_counter() + share)
             if i + 1 < len(phases):
-                publish(out, files, env, rows, phases, notes, args, mem.source, final=False)
+                publish(out, files, env, rows, phases, notes, args, describe_source(mem), final=False)
         log(f"measured in {time.perf_counter() - start:.0f} s of {budget:.0f} s")
     except BaseException as e:  # the archive always comes back, with what was measured
         notes.append(f"RUN STOPPED: {type(e).__name__}: {run.one_line(e)}")
         log(notes[-1])
     finally:
-        text = publish(out, files, env, rows, phases, notes, args, mem.source, final=True)
+        text = publish(out, files, env, rows, phases, notes, args, describe_source(mem), final=True)
         shutil.rmtree(files.parent, ignore_errors=True)
         print(text, flush=True)
     failed = any(s == "FAIL" for _, s, _ in verdict.target_rows(rows, [p.name for p in phases if p.name.startswith("main")]))

@@ -193,7 +193,8 @@ def test_a_slow_strategy_spends_its_own_time_share(monkeypatch: pytest.MonkeyPat
     clock = _Clock()
     monkeypatch.setattr(run.time, "perf_counter", clock)
     # 5 bytes held before each step (weights, optimizer state), 12 at the step's peak: 7 of activations
-    mem = types.SimpleNamespace(sync=lambda: None, reset_peak=lambda: None, current_bytes=lambda: 5, peak_bytes=lambda: 12)
+    mem = types.SimpleNamespace(synchronize=lambda: None, reset_peak=lambda: None, allocated_bytes=lambda: 5,
+                                peak_allocated_bytes=lambda: 12)
     fast, slow = _fake_runner("host", clock, 0.1), _fake_runner("ssd", clock, 10.0)
     run.measure([fast, slow], ids=None, mem=mem, steps=6, deadline=clock.now + 30, log=lambda line: None)  # type: ignore[arg-type]
     assert len(fast.samples) == 6 and len(slow.samples) == 1  # share 15 s: a second 10 s step would overrun it
@@ -235,11 +236,11 @@ def test_snapshot_timeline_matches_the_allocator_on_cuda(tmp_path: Path) -> None
     from tests.conftest import require_cuda
 
     require_cuda()
-    from _truth_memory import CudaAllocator
+    from _truth_memory import CudaMemoryStats
 
-    mem = CudaAllocator()
-    mem.sync()
-    before = mem.current_bytes()
+    mem = CudaMemoryStats()
+    mem.synchronize()
+    before = mem.allocated_bytes()
     mem.reset_peak()
 
     def step() -> None:
@@ -249,7 +250,7 @@ def test_snapshot_timeline_matches_the_allocator_on_cuda(tmp_path: Path) -> None
 
     snapshot, start = _truth_snapshot.record_step(step, tmp_path / "s.pickle")
     _, allocated = _truth_snapshot.timeline(snapshot, start)
-    assert max(allocated) - start == 96 << 20 == mem.peak_bytes() - before
+    assert max(allocated) - start == 96 << 20 == mem.peak_allocated_bytes() - before
     assert (tmp_path / "s.pickle").stat().st_size > 0
 
 
