@@ -181,6 +181,10 @@ def summary_text(env: dict[str, Any], rows: list[dict[str, Any]], phases: list[P
     for p in phases:
         lines += [f"## {p.name}: {p.model['layers']} x {p.model['hidden']}, seq {p.model['seq_len']}, batch {p.batch}",
                   "", verdict.format_table(rows, p.name), ""]
+        base = [r["baseline_bytes"] for r in rows if r["phase"] == p.name and r.get("baseline_bytes") is not None]
+        if base:
+            lines += [f"allocated before each step (weights, gradients, optimizer state of the {len(p.strategies)} "
+                      f"live models): {min(base) / GIB:.2f}-{max(base) / GIB:.2f} GiB", ""]
         if p.prediction is not None:
             pr = p.prediction
             lines.append(f"planner (before the run, {pr['step_time_source']}): {pr['fraction_hidden']:.0%} of "
