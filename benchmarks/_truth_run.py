@@ -123,11 +123,12 @@ def build(phase: str, name: str, ctx: Context) -> Runner:
     return r
 
 
-def _blocks(cache: Any, offloaded: int) -> int:
-    """Blocks the step offloaded: the boundary it ran at, 0 when it wrote nothing."""
+def _blocks(cache: Any, sent: int) -> int:
+    """Blocks the step offloaded: the boundary it ran at, 0 when it sent nothing to the
+    offloader (a store cancelled because backward needed its tensor first was sent)."""
     history = getattr(getattr(cache, "_steps", None), "history", None)  # what summary() prints
     ran_at = history[-1][2] if history else 0
-    return int(ran_at) if offloaded else 0
+    return int(ran_at) if sent else 0
 
 
 def timed_step(r: Runner, ids: torch.Tensor, mem: MemoryStats) -> dict[str, Any]:
@@ -148,8 +149,8 @@ def timed_step(r: Runner, ids: torch.Tensor, mem: MemoryStats) -> dict[str, Any]
     if r.cache is not None:
         s = r.cache.stats()
         sample.update(offloaded_bytes=s.offloaded_bytes, reloaded_bytes=s.reloaded_bytes, num_offloaded=s.num_offloaded,
-                      cache_peak_bytes=s.peak_resident_bytes, stall_s=s.stall_s,
-                      blocks=_blocks(r.cache, s.offloaded_bytes))
+                      num_cancelled=s.num_cancelled, cache_peak_bytes=s.peak_resident_bytes, stall_s=s.stall_s,
+                      blocks=_blocks(r.cache, s.num_offloaded + s.num_cancelled))
     return sample
 
 
@@ -260,7 +261,8 @@ def row(r: Runner, num_blocks: int) -> dict[str, Any]:
                baseline_bytes=statistics.median(x["before_bytes"] for x in s))
     if "offloaded_bytes" in s[0]:
         blocks = sorted({x["blocks"] for x in s})
-        out.update(steps_moving_nothing=sum(not x["offloaded_bytes"] for x in s),
+        out.update(steps_sending_nothing=sum(not x["num_offloaded"] and not x["num_cancelled"] for x in s),
+                   steps_all_cancelled=sum(not x["offloaded_bytes"] and x["num_cancelled"] > 0 for x in s),
                    offloaded_bytes=sum(x["offloaded_bytes"] for x in s), reloaded_bytes=sum(x["reloaded_bytes"] for x in s),
                    cache_peak_bytes=max(x["cache_peak_bytes"] for x in s), stall_s=statistics.median(x["stall_s"] for x in s),
                    blocks="/".join(map(str, blocks)) + f" of {num_blocks}")

@@ -4,7 +4,9 @@ Pure functions of the rows the script measured (plain dicts, see ``ROW_KEYS``), 
 rules are unit-tested on CPU (tests/benchmarks/test_gpu_truth.py):
 
 - a row meant to offload (the forced strategies, budget mode) that moved 0 bytes in its
-  measured steps, or in any one of them, or reloaded none, is FAIL;
+  measured steps, or sent nothing to the offloader in any one of them (a policy kept every
+  block), or reloaded none, is FAIL; a step whose stores were all cancelled (backward needed
+  the tensors first) is flagged;
 - a tba row whose cache accounting (``peak_resident_bytes``) differs from the allocator's
   activation peak by more than ``ACCOUNTING_TOLERANCE`` is flagged (FLAG);
 - a row whose policy decides (defaults, budget) must state its decision, else FAIL;
@@ -19,7 +21,7 @@ ACCOUNTING_TOLERANCE = 0.10
 HOST_PEAK_TARGET = 0.4
 DEFAULTS_TIME_TARGET = 1.05
 ROW_KEYS = ("phase", "name", "status", "meant_to_offload", "tba", "decides", "steps", "step_s", "act_peak_bytes",
-            "cache_peak_bytes", "offloaded_bytes", "reloaded_bytes", "steps_moving_nothing", "blocks", "stall_s", "decision")
+            "cache_peak_bytes", "offloaded_bytes", "reloaded_bytes", "steps_sending_nothing", "steps_all_cancelled", "blocks", "stall_s", "decision")
 GIB = 2**30
 
 
@@ -42,8 +44,12 @@ def judge_row(row: dict[str, Any]) -> tuple[str, list[str]]:
             fails.append(f"meant to offload but moved 0 bytes in {row.get('steps', 0)} measured steps")
         elif not row.get("reloaded_bytes"):
             fails.append("offloaded but reloaded 0 bytes")
-        elif row.get("steps_moving_nothing"):  # a forced row offloads in every step, not some
-            fails.append(f"moved 0 bytes in {row['steps_moving_nothing']} of {row.get('steps', 0)} measured steps")
+        elif row.get("steps_sending_nothing"):  # a forced row offloads in every step, not some
+            fails.append(f"sent nothing to the offloader in {row['steps_sending_nothing']} of {row.get('steps', 0)} "
+                         "measured steps")
+        if row.get("steps_all_cancelled"):  # sent, but backward needed every tensor before its store ran
+            flags.append(f"every store cancelled in {row['steps_all_cancelled']} of {row.get('steps', 0)} measured "
+                         "steps (backward needed the tensors first)")
     if row.get("decides") and not row.get("decision"):
         fails.append("the policy stated no decision")
     if row.get("tba"):
