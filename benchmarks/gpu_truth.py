@@ -46,7 +46,7 @@ import _truth_snapshot as snap  # noqa: E402
 import _truth_verdict as verdict  # noqa: E402
 from _environment import command_line, describe  # noqa: E402
 from _truth_memory import CudaMemoryStats, MemoryStats, ProcessHeap, describe_source  # noqa: E402
-from _truth_phases import Phase, plan_phases, predict_hide, shape_of  # noqa: E402
+from _truth_phases import Phase, accounting, plan_phases, predict_hide, shape_of  # noqa: E402
 from tba import plan  # noqa: E402
 
 GIB = 2**30
@@ -82,7 +82,7 @@ def _filesystem(path: str) -> str:
 def run_phase(phase: Phase, args: argparse.Namespace, mem: MemoryStats, files: Path, log: Progress,
               deadline: float) -> list[dict[str, Any]]:
     cuda = args.device == "cuda"
-    planned = plan.activation_bytes(shape_of(phase.model), phase.batch, plan.Accounting())
+    planned = plan.activation_bytes(shape_of(phase.model), phase.batch, accounting(phase.model, cuda))
     ctx = run.Context(device=args.device, dtype="bfloat16" if cuda else "float32", model=phase.model,
                       batch=phase.batch, tiny=args.tiny, ssd_dir=args.ssd_dir,
                       min_offload_bytes=(1 << 20) if cuda else 16 << 10, host_budget_bytes=max(1 << 20, planned // 2),
@@ -121,7 +121,9 @@ def run_phase(phase: Phase, args: argparse.Namespace, mem: MemoryStats, files: P
             run.guarded(r, "warm-up", warm_step, log)
         if name in ("keep", "compiled keep") and r.ok:
             peak = r.warmup[-1]["act_peak_bytes"]
-            ctx.budget_bytes = max(1, peak // 2) if peak > 0 else max(1, planned // 2)
+            if not cuda or peak <= 0:  # RSS is noisy: a spike must not lift the budget over what keep saves
+                peak = min(peak, planned) if peak > 0 else planned
+            ctx.budget_bytes = max(1, peak // 2)
         runners.append(r)
     run.measure(runners, ids, mem, args.steps, deadline, log)
     if phase.snapshot:
