@@ -56,3 +56,47 @@ def test_stored_storages_are_freed_before_backward(offloader: str, tmp_path: Pat
     assert [alive for alive, _ in after.counts] == [0] * STEPS, (
         f"(alive, stored) storages after forward, per step: {after.counts}; the cache's own count of "
         f"resident bytes then: {after.resident_bytes}")
+
+
+class _OlderStoresAlive:
+    """At each new storage a compiled graph stores, the watched storages alive other than the
+    one stored just before (whose store may still run): with ``max_inflight_bytes=1`` a store
+    waits for room until the previous store completed, so every older one must be freed by
+    then, while the forward graph still runs (Note [Stored buffers live to the end of the
+    graph] in tba/compile/runtime.py)."""
+
+    def __init__(self) -> None:
+        self.watch = StorageWatch()
+        self.last: str | None = None
+        self.older_alive: list[list[str]] = []
+        self.num_stores = 0
+
+    def observe(self, tensor: object, kind: str) -> None:
+        if kind != "saved":
+            return
+        alive = [name for name in self.watch.alive if name != self.last]
+        name = f"stored {self.num_stores}"
+        if self.watch.watch(tensor, name):  # type: ignore[arg-type]
+            self.older_alive.append(alive)
+            self.last = name
+            self.num_stores += 1
+
+    def after_forward(self, cache: tba.TensorCache | None) -> None:
+        self.watch.clear()
+        self.last = None
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_stored_storages_are_freed_while_the_forward_graph_runs(inner: str) -> None:
+    """A multi-block model in one graph: each stored storage is freed once its store completed,
+    before the graph returns, though the graph holds the stored buffers to its end."""
+    reference = train("fused_attention", inner, None, steps=STEPS)
+    seen = _OlderStoresAlive()
+    with tba.compile.watch(seen.observe):
+        run = train("fused_attention", inner, dict(offloader="host", keep_last_modules=0,
+                                                   max_inflight_bytes=1),
+                    steps=STEPS, after_forward=seen.after_forward)
+    assert_same_training(reference, run)
+    assert_offloaded_in_one_graph(run)
+    assert seen.num_stores >= 8 * STEPS, seen.num_stores
+    assert all(not alive for alive in seen.older_alive), seen.older_alive
