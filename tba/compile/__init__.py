@@ -9,10 +9,7 @@ min-cut partitioner decides what backward needs exactly as without tba, and then
     a compiled graph stores]),
   * rewrite.py puts a ``tba::store`` after each group's last forward use and a
     ``tba::reload`` before each member's first backward use, with ``tba::prefetch`` ahead
-    by ``prefetch_modules`` units (Note [Placing stores, prefetches and reloads]), and a
-    ``tba::release`` per store that holds the stored buffers to the end of the graph in
-    Inductor's plan while run time frees their memory once stored (Note [Stored buffers live
-    to the end of the graph] in runtime.py),
+    by ``prefetch_modules`` units (Note [Placing stores, prefetches and reloads]),
   * verify.py checks the placement on every compile (Note [Checked placement]),
   * ops.py defines the ops (Note [Effects as ops]) and runtime.py runs them against the
     model's tensor cache (Note [Keys and shape carriers]; the cache's side is
@@ -30,7 +27,7 @@ Example:
     >>> compiled = torch.compile(model, backend="tba", fullgraph=True)  # doctest: +SKIP
 """
 
-from tba.compile import ops  # noqa: F401  (registers tba::store, prefetch, reload, release)
+from tba.compile import ops  # noqa: F401  (registers tba::store, tba::prefetch, tba::reload)
 from tba.compile.compiler import INNER_COMPILERS, backend
 from tba.compile.partition import GraphReport, Partitioner
 from tba.compile.runtime import watch
