@@ -31,6 +31,13 @@ __all__ = ["backend", "INNER_COMPILERS"]
 logger = logging.getLogger(__name__)
 
 INNER_COMPILERS = ("inductor", "aot_eager")
+# Note [Stored buffers are not reused]: Inductor recycles a buffer after its last use in the
+# graph (for another output of its size, or in place by the kernel that reads it last). A
+# stored tensor is read by the cache after the store op returns (a store worker copies it,
+# or it is kept for backward), so the graphs tba rewrites are compiled without buffer reuse
+# and in-place buffers; the caching allocator still recycles the memory once it is freed.
+# Seen on torch 2.13 CPU: a GELU kernel wrote its output into the buffer of the linear output
+# stored just before. Tested by tests/compile/test_compile_offload.py (Inductor, bit-exact).
 # Note [Rewritten graphs are not cached]: torch.compile's caches (Inductor's FX graph cache,
 # AOTAutograd's cache, local and remote) are kept off for the graphs tba rewrites. A cache hit
 # would be wrong: AOTAutograd's cache returns the compiled forward and backward without
@@ -40,9 +47,8 @@ INNER_COMPILERS = ("inductor", "aot_eager")
 # whose custom_partitioner_fn (the Partitioner) holds the model and cache weakly, and a weak
 # reference does not pickle (torch 2.11 warned "Failed to pickle cache key" per compile).
 # Graphs of models without a cache keep the caches. Tested by tests/compile/test_backend.py.
-# Inductor's memory plan (buffer reuse, in-place buffers) stays its own: Note [Stored buffers
-# live to the end of the graph] in runtime.py.
-_INDUCTOR_PATCHES = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
+_INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "inplace_buffers": False,
+                     "fx_graph_cache": False, "fx_graph_remote_cache": False}
 _AUTOGRAD_CACHE_OFF = {"enable_autograd_cache": False, "enable_remote_autograd_cache": False}
 _CUDAGRAPH_OPTIONS = ("triton.cudagraphs", "triton_cudagraphs")
 

@@ -1,5 +1,4 @@
-"""tba's custom ops in compiled graphs: ``tba::store``, ``tba::prefetch``, ``tba::reload``,
-``tba::release``.
+"""tba's custom ops in compiled graphs: ``tba::store``, ``tba::prefetch``, ``tba::reload``.
 
 Note [Effects as ops]: each op is a ``torch.library`` op with a fake implementation, so
 AOTAutograd, Inductor and ``aot_eager`` run them as they are, and is ordered by data alone:
@@ -7,8 +6,7 @@ store ``i`` takes store ``i - 1``'s key (the stores run in graph order, which is
 fills and closes the cache's forward); a reload takes its group's key, the marker of the
 prefetch that started its load, and an *anchor*, the output of the node the reload was
 placed after, so no scheduler hoists it (and its memory) earlier; a prefetch takes an anchor
-too; a release takes its group's key and tensors, and the graph's last values (Note [Stored buffers live to the end of the
-graph] in runtime.py). All four are registered as side-effecting (``torch.fx.has_side_effect``: kept by dead
+too. All three are registered as side-effecting (``torch.fx.has_side_effect``: kept by dead
 code elimination and by Inductor, never constant-folded). The store requires its inputs at
 their exact traced strides (``needs_exact_strides``; the rewrite records the traced values as
 ``eager_input_vals``), so the tensor the cache keeps has the geometry the reload's fake
@@ -26,7 +24,7 @@ from torch.fx import has_side_effect
 
 from tba.compile import runtime
 
-__all__ = ["STORE", "PREFETCH", "RELOAD", "RELEASE", "OPS"]
+__all__ = ["STORE", "PREFETCH", "RELOAD", "OPS"]
 
 
 # The ops are defined with torch.library's low-level API and one CompositeExplicitAutograd
@@ -44,7 +42,6 @@ _LIBRARY.define(
     "reload(Tensor key, Tensor shape, int member, int ndim, Tensor? prefetched, Tensor? anchor) "
     "-> Tensor"
 )
-_LIBRARY.define("release(Tensor key, Tensor[] tensors, Tensor[] after) -> ()")
 
 
 @torch.library.impl(_LIBRARY, "store", "CompositeExplicitAutograd")
@@ -87,25 +84,12 @@ def _reload_fake(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
     return torch.empty_strided(size, stride, dtype=shape.dtype, device=shape.device)
 
 
-@torch.library.impl(_LIBRARY, "release", "CompositeExplicitAutograd")
-def _release(key: torch.Tensor, tensors: list[torch.Tensor], after: list[torch.Tensor]) -> None:
-    """The end of the graph's hold on a stored group's buffers (Note [Stored buffers live to
-    the end of the graph] in runtime.py)."""
-    runtime.release(key, tensors)
-
-
-def _release_fake(key: torch.Tensor, tensors: list[torch.Tensor], after: list[torch.Tensor]) -> None:
-    return None
-
-
-for _name, _fake in (("store", _store_fake), ("prefetch", _prefetch_fake), ("reload", _reload_fake),
-                     ("release", _release_fake)):
+for _name, _fake in (("store", _store_fake), ("prefetch", _prefetch_fake), ("reload", _reload_fake)):
     torch.library.register_fake(f"tba::{_name}", _fake, lib=_LIBRARY)
 
 STORE = torch.ops.tba.store.default
 PREFETCH = torch.ops.tba.prefetch.default
 RELOAD = torch.ops.tba.reload.default
-RELEASE = torch.ops.tba.release.default
-OPS = frozenset((STORE, PREFETCH, RELOAD, RELEASE))
+OPS = frozenset((STORE, PREFETCH, RELOAD))
 for _op in OPS:
     has_side_effect(_op)

@@ -2,9 +2,7 @@
 
 Note [Placing stores, prefetches and reloads]: forward: each group's ``tba::store`` goes after
 the group's last forward use (``StoreGroup.after``; a later group's store never goes before
-an earlier one's: the stores run in graph order), its ``tba::release`` right before the
-graph's output (Note [Stored buffers live to the end of the graph] in runtime.py), and the
-graph saves, in each member's place,
+an earlier one's: the stores run in graph order), and the graph saves, in each member's place,
 the group's key (before its first member) and the member's shape carrier. Backward: the
 placeholders follow suit (the partitioner gives them the saved values' names and order), and
 each member's ``tba::reload`` goes right before its first use, anchored on the nearest
@@ -114,26 +112,9 @@ def rewrite_forward(fw: fx.GraphModule, groups: list[StoreGroup], num_fwd_output
             saved_out.append(swap.key)
         saved_out.append(swap.carriers[i])
     output.args = (tuple(outputs_in[:num_fwd_outputs] + saved_out),)
-    # Note [Stored buffers live to the end of the graph] in runtime.py: each release takes the
-    # graph's sinks (its tensors nothing but the output uses), so every op of the graph runs
-    # before it, whatever order a scheduler picks.
-    sinks = list(dict.fromkeys(
-        node for node in output.args[0]
-        if isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
-        and len(node.users) == 1 and not _is_carrier(node)))
-    for swap in swaps:
-        with graph.inserting_before(output):
-            _call(graph, ops.RELEASE, (swap.key, list(swap.group.members), sinks),
-                  f"tba_release_{swap.index}", None)
     graph.lint()
     fw.recompile()
     return swaps
-
-
-def _is_carrier(node: fx.Node) -> bool:
-    """Whether ``node`` is a shape carrier of a store (the last store's key orders it)."""
-    return bool(node.target is operator.getitem and isinstance(node.args[0], fx.Node)
-                and node.args[0].target is ops.STORE and node.args[1] != 0)
 
 
 def _allocates(node: fx.Node) -> bool:

@@ -35,21 +35,20 @@ from torch import nn
 
 from tba import _env
 from tba.cache.capture.compiled import CompiledForwards
-from tba.cache.engine import Entry, Handle, State
+from tba.cache.engine import Entry, Handle
 from tba.cache.tensor_cache import TensorCache
 from tba.errors import TBAError
 from tba.integrations import registry
 
 __all__ = [
-    "GraphInfo", "register_graph", "store", "reload", "prefetch", "release", "watch", "carrier",
+    "GraphInfo", "register_graph", "store", "reload", "prefetch", "watch", "carrier",
     "geometry", "KEY_ATTR",
 ]
 
 KEY_ATTR = "_tba_packed"
 
-#: Called with each tensor a store takes ("saved"), each tensor a reload returns ("reloaded")
-#: and each stored tensor whose storage is freed now, by ``resize_(0)`` ("freed": Note [Stored
-#: buffers live to the end of the graph]), for measurements (``watch``).
+#: Called with each tensor a store takes ("saved") and each tensor a reload returns
+#: ("reloaded"), for measurements (``watch``).
 Observer = Callable[[torch.Tensor, str], None]
 _observers: list[Observer] = []
 
@@ -165,9 +164,6 @@ class _Run(threading.local):
         self.next = 0
         self.seam: CompiledForwards | None = None
         self.stored: dict[int, int] | None = None  # storage stamp -> store index (invariants)
-        # Groups of this run whose stores were in flight, with the graph's storage
-        # (Note [Stored buffers live to the end of the graph]).
-        self.pending: list[tuple[Entry, torch.Tensor]] = []
 
 
 _run = _Run()
@@ -203,13 +199,8 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | 
         )
     seam = run.seam
     assert seam is not None
-    if run.pending:
-        run.pending = [item for item in run.pending if _in_flight(*item)]
     seam.enter(seam.unit_at(module, marker, marker_path))
     packed = seam.save_group(tensors)
-    first = packed[0]
-    if type(first) is Handle and first.entry.state in _IN_FLIGHT:
-        run.pending.append((first.entry, tensors[0]))
     if run.stored is not None:
         _check_stored_once(run.stored, packed, index)
     for observer in _observers:
@@ -219,59 +210,9 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | 
     setattr(key.untyped_storage(), KEY_ATTR, (seam.saved, packed))
     run.next = index + 1
     if last:
-        run.graph, run.seam, run.stored, run.pending = -1, None, None, []
+        run.graph, run.seam, run.stored = -1, None, None
         seam.end()
     return [key, *(carrier(tensor) for tensor in tensors)]
-
-
-# Note [Stored buffers live to the end of the graph]: the cache reads a stored tensor after
-# its ``tba::store`` returns (a store worker copies it; a group the policy keeps is handed
-# back to backward from the cache), and Inductor may write into a buffer once the graph no
-# longer uses it (it hands the buffer to a later value of its size, or lets the kernel that
-# reads it last write its output in place). So each group's ``tba::release``, which takes
-# the group's key and all its tensors, goes right before the forward graph's output
-# (rewrite.py): to Inductor a stored buffer lives to the end of the graph, as it does
-# without tba, where the saved tensors are the graph's outputs. Inductor's buffer reuse and
-# in-place buffers stay on, and its memory plan and kernels are the ones it makes without
-# tba (tests/compile/test_kernel_identity.py). A kept group needs exactly this: whether a
-# group is kept is the policy's choice at run time (the tail, the budget), and its buffer
-# must never be written while the cache holds it. Held to the end, the memory of an
-# offloaded group would stay until the end of forward too, so it is freed at run time
-# instead, as early as in eager mode: each store and each release frees the storages of the
-# run's groups whose store has completed (``State.STORED``: the cache no longer reads the
-# device tensor) with ``resize_(0)``, which frees the memory and leaves the graph's tensors
-# valid but empty; the graph no longer reads them (the store follows every forward use, and
-# verify.py checks that backward gets nothing but keys and carriers of a stored storage). A
-# store still in flight at the release is left to the engine: the graph's references die as
-# it returns and the store's completion frees the memory, as eager's does; a group kept or
-# cancelled is never resized. Tested by tests/compile/test_buffer_lifetime.py (a store held
-# in flight across Inductor's reuse: the bytes are right; a release moved to its store
-# corrupts them) and tests/compile/test_storage_liveness.py (freed before forward ends).
-_IN_FLIGHT = frozenset((State.QUEUED, State.STORING))
-
-
-def _in_flight(entry: Entry, tensor: torch.Tensor) -> bool:
-    """Whether ``entry``'s store is still running; frees ``tensor``'s storage once it has
-    completed (Note [Stored buffers live to the end of the graph])."""
-    state = entry.state
-    if state in _IN_FLIGHT:
-        return True
-    if state is State.STORED:
-        storage = tensor.untyped_storage()
-        if storage.nbytes() and storage.resizable():
-            for observer in _observers:
-                observer(tensor, "freed")
-            storage.resize_(0)
-    return False
-
-
-def release(key: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """``tba::release``: the graph's last hold on a stored group; frees its storage if its
-    store has completed (Note [Stored buffers live to the end of the graph])."""
-    _, values = _packed(key)
-    first = values[0] if values else None
-    if type(first) is Handle:
-        _in_flight(first.entry, tensors[0])
 
 
 def _check_stored_once(stored: dict[int, int], packed: list[Any], index: int) -> None:
@@ -330,10 +271,8 @@ def prefetch(keys: list[torch.Tensor]) -> torch.Tensor:
 @contextlib.contextmanager
 def watch(observer: Observer) -> Iterator[None]:
     """Call ``observer(tensor, kind)`` for every tensor a compiled graph's store takes
-    (``kind == "saved"``), every tensor its reloads return (``"reloaded"``) and every stored
-    tensor whose storage is freed before the graph lets go of it (``"freed"``, just before
-    ``resize_(0)``) while the block runs: the saved-activation meter of
-    ``benchmarks/compile_offload.py`` counts them."""
+    (``kind == "saved"``) and every tensor its reloads return (``"reloaded"``) while the block
+    runs: the saved-activation meter of ``benchmarks/compile_offload.py`` counts them."""
     _observers.append(observer)
     try:
         yield

@@ -7,9 +7,7 @@ of Note [What a compiled graph stores] and Note [Placing stores, prefetches and 
   * forward: every use of a stored storage (through any view) comes before its store; no
     storage is stored twice (alias identity is the fake tensors' storage); nothing stored
     views a graph input or a user-visible output; the stores run in index order, each taking
-    the previous one's key, the last one marked last; each store has one release, which
-    depends on every other op of the graph and takes the store's key and all its tensors, and no output of the graph
-    but tba's views a stored storage;
+    the previous one's key, the last one marked last;
   * backward: the saved values of the forward are, in order, the first placeholders of the
     backward; a key or carrier feeds tba's ops only; every member's reload comes before every
     use of what it returns, and after the prefetch that started its load.
@@ -74,49 +72,6 @@ def check_forward(fw: fx.GraphModule, num_fwd_outputs: int) -> None:
                     _fail(f"{store.name} stores {viewer.name}, still used later in forward by "
                           f"{user.name}")
         previous_key = next(u for u in store.users if u.args[1] == 0)
-    _check_releases(graph, stores, order, stored, outputs)
-
-
-def _check_releases(graph: fx.Graph, stores: list[fx.Node], order: dict[fx.Node, int],
-                    stored: dict[object, fx.Node], outputs: list[object]) -> None:
-    """Note [Stored buffers live to the end of the graph] in runtime.py."""
-    releases: dict[object, list[fx.Node]] = {}  # by the key they take
-    for node in graph.find_nodes(op="call_function", target=ops.RELEASE):
-        releases.setdefault(node.args[0], []).append(node)
-    ops_of_graph = [n for n in graph.nodes  # a store's outputs are made by the store
-                    if n.op == "call_function" and (not _is_ours(n) or n.target is ops.STORE)]
-    for store in stores:
-        key = next(u for u in store.users if u.args[1] == 0)
-        found = releases.pop(key, [])
-        if len(found) != 1:
-            _fail(f"{store.name} has {len(found)} releases, expected one")
-        release = found[0]
-        tensors, members = release.args[1], store.args[0]
-        if not isinstance(tensors, list | tuple) or not isinstance(members, list | tuple) \
-                or list(tensors) != list(members):
-            _fail(f"{release.name} does not take {store.name}'s key and all its tensors")
-        before = _ancestors(release)
-        early = [n.name for n in ops_of_graph if n not in before]
-        if early:
-            _fail(f"{release.name} does not depend on {early}: a stored buffer's lifetime "
-                  "may end before the graph's")
-    if releases:
-        _fail(f"releases {[r.name for rs in releases.values() for r in rs]} of no store")
-    for node in outputs:
-        if isinstance(node, fx.Node) and not _is_ours(node) and storage_key(node) in stored:
-            _fail(f"forward outputs {node.name}, a view of a storage "
-                  f"{stored[storage_key(node)].name} stored (it is freed once stored)")
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    pending = list(node.all_input_nodes)
-    while pending:
-        current = pending.pop()
-        if current not in found:
-            found.add(current)
-            pending.extend(current.all_input_nodes)
-    return found
 
 
 def _is_ours(node: fx.Node) -> bool:

@@ -125,14 +125,7 @@ class SavedActivationMeter:
     def observe(self, tensor: torch.Tensor, kind: str) -> None:
         """Count ``tensor`` (saved, recomputed or reloaded: ``KINDS``) while measuring, as
         the meter's own hooks would; for saves that reach no saved-tensor hook (the stores and
-        reloads inside a graph compiled with ``backend="tba"``: ``tba.compile.watch``). A
-        ``"freed"`` tensor's storage is about to lose its memory (``resize_(0)``) while the
-        graph still holds it: it stops counting then."""
-        if kind == "freed":
-            with self._lock:
-                generation = self._current
-            self._freed(id(tensor.untyped_storage()), generation)
-            return
+        reloads inside a graph compiled with ``backend="tba"``: ``tba.compile.watch``)."""
         self._track(tensor, kind)
 
     def checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager[Any], ...]:

@@ -5,10 +5,7 @@ tba believes it holds. Whether memory really came free is a different question: 
 strong reference (in an entry, a worker, a closure) keeps a storage alive while the count
 reads low. :class:`StorageWatch` answers it from outside tba: a ``weakref.finalize`` on each
 watched storage (torch keeps one Python object per live storage, so the finalizer runs when
-the storage itself is freed, not when a tensor or a storage object of Python dies). A storage
-whose memory was given back while objects still hold it (``resize_(0)``: a graph compiled with
-``backend="tba"`` frees a stored buffer so, Note [Stored buffers live to the end of the graph]
-in tba/compile/runtime.py) counts as freed too: its size is read when asked.
+the storage itself is freed, not when a tensor or a storage object of Python dies).
 
 What to watch:
 
@@ -55,7 +52,6 @@ class StorageWatch:
         self._lock = threading.Lock()
         self._keys = itertools.count()
         self._alive: dict[int, tuple[str, int]] = {}  # key -> (name, bytes)
-        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}  # key -> the storage
         self._storages: dict[int, int] = {}  # id(storage) -> key, while alive
         self._generation = 0
         self.num_watched = 0
@@ -77,7 +73,6 @@ class StorageWatch:
             key = next(self._keys)
             self._storages[id(storage)] = key
             self._alive[key] = (name or f"storage {key}", num_bytes)
-            self._refs[key] = weakref.ref(storage)
             self.num_watched += 1
             generation = self._generation
         weakref.finalize(storage, self._freed, id(storage), key, generation)
@@ -125,42 +120,31 @@ class StorageWatch:
     def alive(self) -> list[str]:
         """The names of the watched storages still alive, in the order they were watched."""
         with self._lock:
-            return [name for _, (name, _) in sorted(self._live_items())]
+            return [name for _, (name, _) in sorted(self._alive.items())]
 
     @property
     def num_alive(self) -> int:
         with self._lock:
-            return len(self._live_items())
+            return len(self._alive)
 
     @property
     def alive_bytes(self) -> int:
         with self._lock:
-            return sum(n for _, (_, n) in self._live_items())
+            return sum(n for _, n in self._alive.values())
 
     def clear(self) -> None:
         """Forget everything watched so far (their finalizers then do nothing)."""
         with self._lock:
             self._generation += 1
             self._alive.clear()
-            self._refs.clear()
             self._storages.clear()
             self.num_watched = 0
-
-    def _live_items(self) -> list[tuple[int, tuple[str, int]]]:
-        """The watched storages alive with their memory (lock held)."""
-        found = []
-        for key, item in self._alive.items():
-            storage = self._refs[key]()
-            if storage is not None and storage.nbytes() > 0:
-                found.append((key, item))
-        return found
 
     def _freed(self, storage_id: int, key: int, generation: int) -> None:
         with self._lock:
             if generation != self._generation:
                 return
             self._alive.pop(key, None)
-            self._refs.pop(key, None)
             if self._storages.get(storage_id) == key:
                 del self._storages[storage_id]
 

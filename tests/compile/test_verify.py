@@ -71,48 +71,6 @@ def test_an_alias_stored_twice_fails_at_compile_time(joint: Joint) -> None:
         verify.check_forward(fw, num_outputs)
 
 
-def _release_without_the_sinks(fw: torch.fx.GraphModule) -> None:
-    release = _nodes(fw, ops.RELEASE)[0]
-    release.args = (*release.args[:2], [])  # nothing orders it after the graph's last ops
-
-
-def _release_missing_a_tensor(fw: torch.fx.GraphModule) -> None:
-    release = next(r for r in _nodes(fw, ops.RELEASE) if len(r.args[1]) > 1)
-    release.args = (release.args[0], release.args[1][1:], release.args[2])
-
-
-def _release_dropped(fw: torch.fx.GraphModule) -> None:
-    fw.graph.erase_node(_nodes(fw, ops.RELEASE)[-1])
-
-
-def _release_twice(fw: torch.fx.GraphModule) -> None:
-    release = _nodes(fw, ops.RELEASE)[0]
-    with fw.graph.inserting_after(release):
-        fw.graph.create_node("call_function", ops.RELEASE, release.args)
-
-
-def _stored_storage_saved_as_is(fw: torch.fx.GraphModule) -> None:
-    output = fw.graph.find_nodes(op="output")[0]
-    member = _nodes(fw, ops.STORE)[0].args[0][0]
-    output.args = (tuple(output.args[0]) + (member,),)
-
-
-@pytest.mark.parametrize(("break_it", "message"), [
-    (_release_without_the_sinks, "does not depend on"),
-    (_release_missing_a_tensor, "does not take"),
-    (_release_dropped, "has 0 releases"),
-    (_release_twice, "has 2 releases"),
-    (_stored_storage_saved_as_is, "it is freed once stored"),
-])
-def test_a_broken_release_fails(joint: Joint, break_it, message: str) -> None:
-    """Note [Stored buffers live to the end of the graph]: one release per store, taking its
-    key and every tensor, ordered after every op of the graph by data."""
-    fw, _, num_outputs = _rewritten(joint)
-    break_it(fw)
-    with pytest.raises(AssertionError, match=message):
-        verify.check_forward(fw, num_outputs)
-
-
 def _reload_after_its_first_use(bw: torch.fx.GraphModule) -> None:
     reload = _nodes(bw, ops.RELOAD)[0]
     first = min(reload.users, key=list(bw.graph.nodes).index)
