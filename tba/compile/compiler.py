@@ -37,7 +37,14 @@ INNER_COMPILERS = ("inductor", "aot_eager")
 # or it is kept for backward), so the graphs tba rewrites are compiled without buffer reuse
 # and in-place buffers; the caching allocator still recycles the memory once it is freed.
 # Seen on torch 2.13 CPU: a GELU kernel wrote its output into the buffer of the linear output
-# stored just before. Tested by tests/compile/test_compile_offload.py (Inductor, bit-exact).
+# stored just before. A release op that takes the store's tensors and depends on every other
+# op (so the buffers live to the graph's end in Inductor's plan) is not enough to turn reuse
+# back on: where the store needs exact strides Inductor may hand it a copy made for it, and
+# the release then holds another realization, not the store's buffer (seen on torch 2.13 CPU,
+# the benchmark's GPT-2: the embedding sum stored by store 0 reused for the attention mask).
+# Tested by tests/compile/test_compile_offload.py (Inductor, bit-exact) and
+# tests/compile/test_buffer_lifetime.py (stores held in flight until the graph returned;
+# reuse on trains wrong).
 # Note [Rewritten graphs are not cached]: torch.compile's caches (Inductor's FX graph cache,
 # AOTAutograd's cache, local and remote) are kept off for the graphs tba rewrites. A cache hit
 # would be wrong: AOTAutograd's cache returns the compiled forward and backward without
