@@ -159,12 +159,16 @@ class ScriptedWorld:
                 block.register_full_backward_pre_hook(
                     lambda *_: self.clock.advance(self.backward_s * self._factor())),
             ]
-        self.offloader = _TimedOffloader(self)
+        self.offloader = self._make_offloader()
         self.cache: tba.TensorCache = tba.configure_tensor_cache(
             self.model, offloader=self.offloader, offload_devices=("cpu",), min_offload_bytes=0,
             **options,
         )
         drive_closed_loop(self.cache, clock=self.clock, free_bytes=lambda: 1 << 40)
+
+    def _make_offloader(self) -> OffloaderWrapper:
+        """The world's offloader (:class:`GpuWorld` scripts a pool in its own)."""
+        return _TimedOffloader(self)
 
     @classmethod
     def with_budget_boundary(cls, boundary: int, **kwargs: Any) -> ScriptedWorld:

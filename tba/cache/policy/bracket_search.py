@@ -247,17 +247,27 @@ class BracketSearch:
         return (max(below) if below else 0), (min(above) if above else -1)
 
     def predicted_low(self, j: int) -> float | None:
-        """A lower bound on ``j``'s overhead: the lower bounds of the nearest measured
-        boundaries below (keep: exactly 0) and above it, interpolated linearly in offloaded
-        bytes; None without one above."""
-        a, b = self._neighbours(j)
-        if b < 0:
+        """A lower bound on ``j``'s overhead (Note [Predictions under a knee]): the line through
+        the lower bounds of the two nearest measured boundaries above ``j``, extended down to
+        it; None without two above (or when that line falls towards them)."""
+        pair = self._secant_above(j)
+        if pair is None:
             return None
-        low_a = self.verdicts[a].measured.low if a else 0.0
-        low_b = self.verdicts[b].measured.low
-        xa, xb, xj = self.saved(a), self.saved(b), self.saved(j)
-        t = (xj - xa) / (xb - xa) if xb > xa else 0.0
-        return low_a + t * (low_b - low_a)
+        (xa, la), (xb, lb) = pair
+        return la + (self.saved(j) - xa) * (lb - la) / (xb - xa)
+
+    def _secant_above(self, j: int) -> tuple[tuple[float, float], tuple[float, float]] | None:
+        """(saved, lower bound) of the two nearest measured boundaries above ``j`` whose lower
+        bounds rise with the bytes, or None."""
+        above = sorted(b for b in self.verdicts if b > j)[:2]
+        if len(above) < 2:
+            return None
+        a, b = above
+        la, lb = self.verdicts[a].measured.low, self.verdicts[b].measured.low
+        xa, xb = self.saved(a), self.saved(b)
+        if not (xb > xa and lb > la):
+            return None
+        return (xa, la), (xb, lb)
 
     def fitted(self, j: int) -> float | None:
         """``j``'s overhead by a line through keep fitted to every pair measured in the check:
@@ -271,9 +281,23 @@ class BracketSearch:
         return self.hi <= self.lo + 1
 
     def next_candidate(self) -> int:
-        """The boundary to measure next: the largest one in the bracket whose fitted overhead
-        is within its limit, else the one fitted closest to its limit."""
+        """The boundary to measure next (Note [Predictions under a knee]): with two boundaries
+        measured over above the bracket, the largest one their line puts within its limit;
+        else, once a boundary passed, the bracket's middle; else the largest one whose fitted
+        overhead is within its limit, or the one fitted closest to its limit."""
         assert not self.done
+        over = sorted(b for b, v in self.verdicts.items() if v.outcome != "pass" and b >= self.hi)
+        if len(over) >= 2:
+            (a, b) = over[:2]
+            ra, rb = median(self._ratios[a]), median(self._ratios[b])
+            xa, xb = self.saved(a), self.saved(b)
+            if xb > xa and rb > ra:
+                for j in range(self.hi - 1, self.lo, -1):
+                    if ra + (self.saved(j) - xa) * (rb - ra) / (xb - xa) <= self.limit(j) + 1e-9:
+                        return j
+                return self.lo + 1
+        if self.lo > 0:
+            return (self.lo + self.hi) // 2
         best, best_excess = self.lo + 1, math.inf
         for j in range(self.hi - 1, self.lo, -1):
             mid, limit = self.fitted(j), self.limit(j)

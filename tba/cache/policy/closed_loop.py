@@ -210,18 +210,23 @@ class OverheadLoop:
             return self._settle(0, step, "the rule allows no block, nothing to measure")
         return self._check(rule, step, "after the profile")
 
-    def observe(self, ran_at: int, seconds: float, *, step: int | None = None) -> int | None:
+    def observe(
+        self, ran_at: int, seconds: float, *, step: int | None = None, grew_pool: bool = False
+    ) -> int | None:
         """A step ran ``seconds`` with blocks ``[0, ran_at)`` offloaded (0: nothing at all);
         returns the boundary for the next step, or None when conditions must be checked
         again from a new profile (``reason`` says why). ``step`` numbers the step for
-        ``settled_at_step`` and ``events`` (default: the loop counts the steps it saw)."""
+        ``settled_at_step`` and ``events`` (default: the loop counts the steps it saw).
+        ``grew_pool``: the step's stores grew the offloader's pool: it counts in its run but
+        its time is no sample (Note [Pool growth is not transfer time])."""
         self._num_observed += 1
         step = self._num_observed if step is None else step
         if ran_at == self._run_at:
             self._run_length += 1
         else:
             self._run_at, self._run_length = ran_at, 1
-        timed = self._run_length >= RUN  # the step before it ran the same boundary
+        # The step before it ran the same boundary, and no pool growth is in its time.
+        timed = self._run_length >= RUN and not grew_pool
         if self.probing:
             return self._observe_probe(ran_at, seconds, timed, step)
         return self._observe_steady(ran_at, seconds, timed, step)

@@ -78,7 +78,7 @@ class Steps:
         self.clock: StepClock | None = None
         self.free_bytes: Callable[[], int] | None = None  # memory a keep step may use
         self._step_start: Any = None
-        self._timed: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=64)
+        self._timed: collections.deque[tuple[int, int, Any, Any, bool]] = collections.deque(maxlen=64)
         overhead = config.max_step_overhead
         self.loop = (
             OverheadLoop(overhead, can_keep=self._keep_fits)
@@ -134,7 +134,8 @@ class Steps:
         ran_at = self._boundary.tail_start
         self.history.append((self._num_done, step, ran_at))
         if self._step_start is not None and self.clock is not None:
-            self._timed.append((self._num_done, ran_at, self._step_start, self.clock.mark()))
+            grew = step.pool_growth_s > 0  # Note [Pool growth is not transfer time]
+            self._timed.append((self._num_done, ran_at, self._step_start, self.clock.mark(), grew))
             self._step_start = None
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
@@ -192,13 +193,13 @@ class Steps:
         assert loop is not None and clock is not None
         changed = False
         while timed:
-            number, ran_at, start, end = timed[0]
+            number, ran_at, start, end, grew = timed[0]
             seconds = clock.seconds(start, end)
             if seconds is None:
                 break
             timed.popleft()
             changed = True
-            tail_start = loop.observe(ran_at, seconds, step=number)
+            tail_start = loop.observe(ran_at, seconds, step=number, grew_pool=grew)
             if tail_start is None:
                 self._reprofile(loop.reason)
                 break
