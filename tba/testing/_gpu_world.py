@@ -138,6 +138,8 @@ class GpuWorld(ScriptedWorld):
         self._handles.append(self.model.blocks[0].register_full_backward_pre_hook(
             lambda *_: self._expose()))
 
+    _knee = True  # transfers overlap compute, as on CUDA
+
     def _make_offloader(self) -> OffloaderWrapper:
         return _PoolOffloader(self)
 

@@ -164,7 +164,11 @@ class ScriptedWorld:
             self.model, offloader=self.offloader, offload_devices=("cpu",), min_offload_bytes=0,
             **options,
         )
-        drive_closed_loop(self.cache, clock=self.clock, free_bytes=lambda: 1 << 40)
+        drive_closed_loop(self.cache, clock=self.clock, free_bytes=lambda: 1 << 40,
+                          knee=self._knee or None)
+
+    #: Whether the loop is told transfers overlap compute (Note [Predictions under a knee]).
+    _knee = False
 
     def _make_offloader(self) -> OffloaderWrapper:
         """The world's offloader (:class:`GpuWorld` scripts a pool in its own)."""

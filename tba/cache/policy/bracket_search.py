@@ -46,6 +46,19 @@ rule's boundary, once measured over, points at the best boundary at once; the ch
 it and, unless the one above it is predicted over, that one too. Under convex costs a line
 through measurements reads high between them and a line through keep reads wrong at both
 ends: the check then measures more boundaries, and predictions only ever lower its result.
+Note [Predictions under a knee]: on CUDA a transfer runs beside the compute and costs the step
+nothing until the link is saturated, then almost all of what it does not hide: 0 up to a knee,
+then close to linear (GPT-2 on the H100: ~4 of 12 blocks hide, a fifth costs ~16% of the step).
+A line through keep then reads high below the knee, and interpolating it *predicts over* what
+hides: a measured +260% at 11 blocks put one block over, and the check kept every block where 4
+hid. Under a knee (``knee``, the loop's ``knee``: on CUDA, or ``tba.testing.GpuWorld``) a
+boundary is predicted over only from the line through the lower bounds of the two nearest
+measured boundaries above it, extended down (a convex cost lies above its secants outside
+them: a lower bound), and the next boundary measured is the largest one within its limit on
+the line through two boundaries measured over (past the knee that line is the cost), else the
+bracket's middle (or the keep line's choice when larger: exact on linear costs). Measuring the
+top, the middle and the knee's boundary settles in about 40 steps (benchmarks/gpu_worlds.py).
+
 Tested in tests/cache/test_bracket_search.py, tests/cache/test_overhead_loop.py and, on
 scripted worlds (``tba.testing.ScriptedWorld``), tests/cache/test_scripted_worlds.py.
 """
@@ -124,6 +137,8 @@ class BracketSearch:
         min_saving_per_overhead: the worth-it factor (saved fraction per overhead).
         confidence: of the bounds on one boundary's own pairs.
         pass_confidence: of the upper bound on ``top``'s own pairs a pass of ``top`` needs.
+        knee: transfers overlap compute (CUDA): costs are 0 up to a knee, then close to
+            linear; predictions and the next boundary follow Note [Predictions under a knee].
 
     Example:
         >>> search = BracketSearch([10] * 12, 11, max_overhead=0.05, min_saving_per_overhead=5,
@@ -143,8 +158,10 @@ class BracketSearch:
         min_saving_per_overhead: float,
         confidence: float,
         pass_confidence: float,
+        knee: bool = False,
     ) -> None:
         self.max_overhead = max_overhead
+        self.knee = knee  # Note [Predictions under a knee]
         self.min_saving_per_overhead = min_saving_per_overhead
         self.confidence = confidence
         self.pass_confidence = pass_confidence
@@ -247,18 +264,23 @@ class BracketSearch:
         return (max(below) if below else 0), (min(above) if above else -1)
 
     def predicted_low(self, j: int) -> float | None:
-        """A lower bound on ``j``'s overhead (Note [Predictions under a knee]): the line through
-        the lower bounds of the two nearest measured boundaries above ``j``, extended down to
-        it; None without two above (or when that line falls towards them)."""
-        pair = self._secant_above(j)
-        if pair is None:
+        """A lower bound on ``j``'s overhead: the lower bounds of the nearest measured
+        boundaries below (keep: exactly 0) and above it, interpolated linearly in offloaded
+        bytes; None without one above."""
+        if self.knee:
+            return self._secant_low(j)
+        a, b = self._neighbours(j)
+        if b < 0:
             return None
-        (xa, la), (xb, lb) = pair
-        return la + (self.saved(j) - xa) * (lb - la) / (xb - xa)
+        low_a = self.verdicts[a].measured.low if a else 0.0
+        low_b = self.verdicts[b].measured.low
+        xa, xb, xj = self.saved(a), self.saved(b), self.saved(j)
+        t = (xj - xa) / (xb - xa) if xb > xa else 0.0
+        return low_a + t * (low_b - low_a)
 
     def _secant_above(self, j: int) -> tuple[tuple[float, float], tuple[float, float]] | None:
-        """(saved, lower bound) of the two nearest measured boundaries above ``j`` whose lower
-        bounds rise with the bytes, or None."""
+        """(saved, lower bound) of the two nearest measured boundaries above ``j``, when their
+        lower bounds rise with the bytes; else None."""
         above = sorted(b for b in self.verdicts if b > j)[:2]
         if len(above) < 2:
             return None
@@ -268,6 +290,39 @@ class BracketSearch:
         if not (xb > xa and lb > la):
             return None
         return (xa, la), (xb, lb)
+
+    def _secant_low(self, j: int) -> float | None:
+        """Under a knee: the line through the lower bounds of the two nearest measured
+        boundaries above ``j``, extended down to it (below a convex cost's secant: a lower
+        bound); None without two."""
+        pair = self._secant_above(j)
+        if pair is None:
+            return None
+        (xa, la), (xb, lb) = pair
+        return la + (self.saved(j) - xa) * (lb - la) / (xb - xa)
+
+    def _next_under_knee(self) -> int:
+        """Note [Predictions under a knee]: with two boundaries measured over, the largest one
+        in the bracket their line (through their medians) puts within its limit; else the
+        bracket's middle, or the keep line's choice when that is larger."""
+        middle = (self.lo + self.hi) // 2
+        over = sorted(b for b, v in self.verdicts.items() if v.outcome != "pass" and b >= self.hi)
+        if len(over) >= 2:
+            a, b = over[:2]
+            ra, rb = median(self._ratios[a]), median(self._ratios[b])
+            xa, xb = self.saved(a), self.saved(b)
+            if xb > xa and rb > ra:
+                for j in range(self.hi - 1, self.lo, -1):
+                    if ra + (self.saved(j) - xa) * (rb - ra) / (xb - xa) <= self.limit(j) + 1e-9:
+                        return j
+                return self.lo + 1
+        if self.lo > 0:
+            return middle
+        self.knee = False
+        try:
+            return max(self.next_candidate(), middle)
+        finally:
+            self.knee = True
 
     def fitted(self, j: int) -> float | None:
         """``j``'s overhead by a line through keep fitted to every pair measured in the check:
@@ -281,23 +336,11 @@ class BracketSearch:
         return self.hi <= self.lo + 1
 
     def next_candidate(self) -> int:
-        """The boundary to measure next (Note [Predictions under a knee]): with two boundaries
-        measured over above the bracket, the largest one their line puts within its limit;
-        else, once a boundary passed, the bracket's middle; else the largest one whose fitted
-        overhead is within its limit, or the one fitted closest to its limit."""
+        """The boundary to measure next: the largest one in the bracket whose fitted overhead
+        is within its limit, else the one fitted closest to its limit."""
         assert not self.done
-        over = sorted(b for b, v in self.verdicts.items() if v.outcome != "pass" and b >= self.hi)
-        if len(over) >= 2:
-            (a, b) = over[:2]
-            ra, rb = median(self._ratios[a]), median(self._ratios[b])
-            xa, xb = self.saved(a), self.saved(b)
-            if xb > xa and rb > ra:
-                for j in range(self.hi - 1, self.lo, -1):
-                    if ra + (self.saved(j) - xa) * (rb - ra) / (xb - xa) <= self.limit(j) + 1e-9:
-                        return j
-                return self.lo + 1
-        if self.lo > 0:
-            return (self.lo + self.hi) // 2
+        if self.knee:
+            return self._next_under_knee()
         best, best_excess = self.lo + 1, math.inf
         for j in range(self.hi - 1, self.lo, -1):
             mid, limit = self.fitted(j), self.limit(j)

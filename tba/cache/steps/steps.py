@@ -55,6 +55,7 @@ class Steps:
         self._boundary = boundary
         self._offloader = offloader
         self._on_cuda = on_cuda
+        self.knee: bool | None = None  # the loop's ``knee``; None: on CUDA (drive_closed_loop sets it)
         self.last = CacheStats()
         self.total = CacheStats()
         self.history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
@@ -242,6 +243,8 @@ class Steps:
                 self._loop_on = self._keep_fits(extra)
                 fields: dict[str, Any] = {}
                 if self._loop_on:
+                    # Note [Predictions under a knee]: on CUDA transfers overlap compute.
+                    loop.knee = self._on_cuda() if self.knee is None else self.knee
                     tail_start = loop.start(decision.tail_start, profile.block_bytes,
                                             step=self._num_done)
                     self._boundary.set(tail_start, keep_all=True)
