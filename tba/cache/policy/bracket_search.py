@@ -139,6 +139,7 @@ class BracketSearch:
         pass_confidence: of the upper bound on ``top``'s own pairs a pass of ``top`` needs.
         knee: transfers overlap compute (CUDA): costs are 0 up to a knee, then close to
             linear; predictions and the next boundary follow Note [Predictions under a knee].
+        known_within: a boundary known within before the check (steady steps showed it).
 
     Example:
         >>> search = BracketSearch([10] * 12, 11, max_overhead=0.05, min_saving_per_overhead=5,
@@ -159,6 +160,7 @@ class BracketSearch:
         confidence: float,
         pass_confidence: float,
         knee: bool = False,
+        known_within: int = 0,
     ) -> None:
         self.max_overhead = max_overhead
         self.knee = knee  # Note [Predictions under a knee]
@@ -172,7 +174,7 @@ class BracketSearch:
             offloaded.append(offloaded[-1] + num_bytes)
         # The fraction of the blocks' bytes boundary n offloads (its x in every fit).
         self._saved = [b / total if total > 0 else 0.0 for b in offloaded]
-        self.lo = 0  # the largest boundary known within
+        self.lo = known_within  # the largest boundary known within
         self.hi = top + 1  # the smallest boundary known over (top + 1: none)
         self.hi_reason = ""
         self.verdicts: dict[int, Verdict] = {}  # measured boundaries, concluded

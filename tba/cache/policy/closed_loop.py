@@ -53,6 +53,14 @@ tests/cache/test_overhead_loop.py and, in the cache with a fake clock installed 
 ``tba.testing.drive_closed_loop``, tests/cache/test_closed_loop.py and (whole scripted
 worlds, ``tba.testing.ScriptedWorld``) tests/cache/test_scripted_worlds.py.
 
+Note [Looking up] (with ``knee``): below a knee, steps at the settled boundary cost nothing
+more when the link gets faster, so steady steps cannot show that more blocks would hide now
+(a link doubling its bandwidth doubles the bound). Every ``keep_every`` steady steps, halfway
+between the keep runs, a run of ``RUN`` steps offloads one block more (up to the rule's
+boundary); when its timed step is within that boundary's limit over the keep baseline, a
+check of ``[c, rule]`` starts at once (``c`` known within). Past the knee such a run costs
+about half a block's exposed transfer twice in ``keep_every`` steps.
+
 Note [Disturbed steps] (with ``knee``: transfers that overlap compute): a step slowed by other work (an outlier: on the H100 and in the
 acceptance's worlds 5% of steps, 10-40% slower) lands in a pair, and a pass needs an upper
 bound on the median that, with five pairs, is their largest ratio: one disturbed offload step
@@ -267,12 +275,12 @@ class OverheadLoop:
         )
 
     # ------------------------------------------------------------------ a check
-    def _check(self, top: int, step: int | None, why: str) -> int:
-        """Search ``[0, top]``, ``top`` first (Note [Bracket search])."""
+    def _check(self, top: int, step: int | None, why: str, known_within: int = 0) -> int:
+        """Search ``[known_within, top]``, ``top`` first (Note [Bracket search])."""
         self._search = BracketSearch(
             self._block_bytes, top, max_overhead=self.max_overhead,
             min_saving_per_overhead=self.min_saving_per_overhead, confidence=self.confidence,
-            pass_confidence=self.pass_confidence, knee=self.knee,
+            pass_confidence=self.pass_confidence, knee=self.knee, known_within=known_within,
         )
         self._passed = {}
         self.probe_steps = 0
@@ -377,9 +385,14 @@ class OverheadLoop:
             if timed:
                 self._baseline.append(seconds)
             return 0 if self._run_length < RUN else c
+        if ran_at == c + 1 and self.knee:  # Note [Looking up]
+            return self._observe_up(seconds, timed, step)
         if ran_at != c:
             return c
         self._num_steady += 1
+        if (self.knee and c < self.rule and self._baseline
+                and self._num_steady % self.keep_every == self.keep_every // 2):
+            return c + 1
         if self.rule and self._num_steady >= self.recheck_every:
             self._recheck(step, f"periodic re-check after {self._num_steady} steps")
             return None
@@ -399,6 +412,23 @@ class OverheadLoop:
             return self._check(c, step, why)
         if self._num_steady % self.keep_every == 0 and self.can_keep(self._offloaded_bytes(c)):
             return 0
+        return c
+
+    def _observe_up(self, seconds: float, timed: bool, step: int) -> int:
+        """Note [Looking up]: a run of steps at one block more than the settled boundary; its
+        timed step within that boundary's limit over the keep baseline starts a check of
+        ``[c, rule]``."""
+        c = self.candidate
+        if self._run_length < RUN:
+            return c + 1
+        if timed and self._baseline:
+            baseline = _baseline_s(self._baseline)
+            overhead = seconds / baseline - 1.0 if baseline > 0 else 0.0
+            if overhead <= self._search.limit(c + 1) + 1e-9:
+                why = (f"blocks [0, {c + 1}) ran {overhead:+.1%} over the keep baseline "
+                       f"{baseline * 1e3:.1f} ms, within what they may cost: more may hide now")
+                self._event(step, "suspect", c + 1, why)
+                return self._check(self.rule, step, why, known_within=c)
         return c
 
     def _recheck(self, step: int, why: str) -> None:
