@@ -257,6 +257,13 @@ class OverheadLoop:
         return self._observe_steady(ran_at, seconds, timed, step)
 
     @property
+    def holds_pool(self) -> bool:
+        """Whether offloading comes back soon (Note [The pool stays while the loop measures]):
+        measuring, settled at a boundary that offloads (its keep runs come back to it), or
+        looking up from keep (Note [Looking up])."""
+        return self.probing or self.candidate != 0 or (self.knee and self.rule > 0)
+
+    @property
     def keep_baseline_s(self) -> tuple[float, ...]:
         """The timed keep steps the keep baseline is taken from (the second fastest), oldest
         first."""

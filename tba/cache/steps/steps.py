@@ -174,12 +174,15 @@ class Steps:
         offload no block and is not measuring. Then ``reserve(0)`` (on the store worker) lets
         the offloader give back the buffers and pool space its profiled and measured steps
         used; they come back with the next store. Tested in
-        tests/cache/test_diagnose.py::test_keep_everything_decision_gives_offloader_memory_back."""
+        tests/cache/test_diagnose.py::test_keep_everything_decision_gives_offloader_memory_back.
+        Note [The pool stays while the loop measures]: not while the loop measures, runs its
+        keep steps beside an offloading decision, or looks up (``OverheadLoop.holds_pool``):
+        the next offloading step would pay the pool's growth again (on the H100, 2 s)."""
         loop = self.loop
         return (
             self._deciding and self._offloader is not None and self._profile_due is None
             and self._boundary.decision is not None and self._boundary.tail_start == 0
-            and not (loop is not None and loop.probing)
+            and not (loop is not None and loop.holds_pool)
         )
 
     def _reprofile(self, why: str) -> None:
