@@ -66,7 +66,7 @@ def run_settle(bound: int, seed: int, steady: int) -> dict[str, Any]:
                 if not _probing(world) and decision is not None and decision.tail_start != last:
                     changes += 1
                     last = decision.tail_start
-        final = world.cache.adaptive_decision.tail_start
+        final = world.cache.adaptive_decision.tail_start if world.cache.adaptive_decision else 0
         return dict(bound=bound, seed=seed, at=at, steps=steps, changes=changes, final=final,
                     pool_given_back=world.num_pool_given_back)
 
@@ -75,7 +75,7 @@ def run_drift(bound: int, new_bound: int, seed: int) -> dict[str, Any]:
     with GpuWorld.with_bound(bound, seed=seed, **OPTIONS) as world:
         at, _ = settled_boundary(world, 62)
         world.run(10)
-        world.bytes_per_s = world.read_bytes_per_s = world._bandwidth_for(new_bound)
+        world.bytes_per_s = world.read_bytes_per_s = world.bandwidth_for(new_bound)
         back = None
         for taken in range(1, 61):
             ran = world.step()

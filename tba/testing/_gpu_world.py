@@ -161,14 +161,15 @@ class GpuWorld(ScriptedWorld):
         exposes half a block's transfer."""
         probe = cls.h100(**kwargs)
         try:
-            probe.bytes_per_s = probe.read_bytes_per_s = probe._bandwidth_for(bound)
+            probe.bytes_per_s = probe.read_bytes_per_s = probe.bandwidth_for(bound)
             return cls.h100(**{**kwargs, "bytes_per_s": probe.bytes_per_s})
         finally:
             probe.close()
 
-    def _bandwidth_for(self, bound: int) -> float:
-        """The bandwidth whose exposed time at ``bound + 1`` blocks is half a block's transfer
-        (bisection: that fraction falls as the bandwidth grows)."""
+    def bandwidth_for(self, bound: int) -> float:
+        """The link bandwidth (each way) whose exposed time at ``bound + 1`` blocks is half a
+        block's transfer (bisection: that fraction falls as the bandwidth grows). Set
+        ``bytes_per_s`` and ``read_bytes_per_s`` to it between steps for a drift."""
         if type(bound) is not int or not 1 <= bound < self.num_blocks:
             raise ValueError(f"tba.testing.GpuWorld: bound={bound!r}: pass an int in "
                              f"[1, {self.num_blocks - 1}]")

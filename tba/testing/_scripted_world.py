@@ -38,7 +38,7 @@ import random
 import warnings
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -51,6 +51,8 @@ from tba.testing._step_timing import FakeStepClock, drive_closed_loop
 from tba.offloaders.wrapper import OffloaderWrapper
 
 __all__ = ["ScriptedWorld"]
+
+_World = TypeVar("_World", bound="ScriptedWorld")
 
 
 class _Block(nn.Module):
@@ -249,7 +251,7 @@ class ScriptedWorld:
             handle.remove()
         self._handles = []
 
-    def __enter__(self) -> ScriptedWorld:
+    def __enter__(self: _World) -> _World:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import pytest
 
+from tba.cache.policy.boundary import BoundaryDecision
 from tba.testing import GpuWorld, probe
 
 _OPTIONS = dict(noise=0.02, outlier_rate=0.05, max_step_overhead=0.02)
+
+
+def _decision(world: GpuWorld) -> BoundaryDecision:
+    decision = world.cache.adaptive_decision
+    assert decision is not None
+    return decision
 
 
 def _settled(world: GpuWorld, max_steps: int = 62) -> int | None:
@@ -64,7 +71,7 @@ def test_settles_at_the_bound_or_one_below_and_stays(bound: int, seed: int) -> N
         decisions = set()
         for _ in range(200):
             world.step()
-            decision = world.cache.adaptive_decision
+            decision = _decision(world)
             if decision.settled_at_step is not None:
                 decisions.add(decision.tail_start)
         assert decisions <= {bound - 1, bound}, decisions
@@ -81,7 +88,7 @@ def test_pool_growth_changes_no_decision() -> None:
             runs[cost] = world.run(120)
             grew = [s for _, s, _ in probe(world.cache).history if s.pool_growth_s > 0]
             assert bool(grew) == (cost > 0)
-            assert world.cache.adaptive_decision.tail_start in (3, 4)
+            assert _decision(world).tail_start in (3, 4)
     assert runs[0.0] == runs[2.0 / 1e9]
 
 
@@ -89,10 +96,10 @@ def test_a_drift_that_halves_the_bound_is_followed() -> None:
     with GpuWorld.with_bound(8, seed=0, **_OPTIONS) as world:
         assert _settled(world) in (7, 8)
         world.run(10)
-        world.bytes_per_s = world.read_bytes_per_s = world._bandwidth_for(4)
+        world.bytes_per_s = world.read_bytes_per_s = world.bandwidth_for(4)
         for _ in range(60):
             world.step()
-        decision = world.cache.adaptive_decision
+        decision = _decision(world)
         assert decision.settled_at_step is not None and decision.tail_start in (3, 4)
 
 
@@ -100,10 +107,10 @@ def test_a_drift_that_doubles_the_bound_is_found_by_looking_up() -> None:
     with GpuWorld.with_bound(3, seed=0, **_OPTIONS) as world:
         assert _settled(world) in (2, 3)
         world.run(10)
-        world.bytes_per_s = world.read_bytes_per_s = world._bandwidth_for(6)
+        world.bytes_per_s = world.read_bytes_per_s = world.bandwidth_for(6)
         for _ in range(60):
             world.step()
-        decision = world.cache.adaptive_decision
+        decision = _decision(world)
         assert decision.settled_at_step is not None and decision.tail_start in (5, 6)
         assert any(e.kind == "suspect" and "more may hide" in e.text
                    for e in probe(world.cache).loop_events)

@@ -112,7 +112,9 @@ def _loop_run(grew: bool) -> tuple[int, int, int]:
         grows = grew and at != 0 and previous == at and growths < 2
         growths += grows
         seconds = 10.0 if grows else (1.0 if at == 0 else 1.01)
-        previous, at = at, loop.observe(at, seconds, grew_pool=grows)
+        next_at = loop.observe(at, seconds, grew_pool=grows)
+        assert next_at is not None  # no re-profile asked for
+        previous, at = at, next_at
         if not loop.probing:
             break
     return at, loop.candidate, growths
