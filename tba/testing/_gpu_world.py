@@ -15,8 +15,8 @@ small MLP as :class:`ScriptedWorld`:
 - offloading blocks ``[0, n)`` moves ``n * block_bytes`` each way. Stores hide under the whole
   forward and the backward of the kept blocks ``[n, N)`` (a block's store must land before
   its own backward); loads hide under the whole backward. What a direction's link time
-  (``n * block_bytes / bytes_per_s``, times a noise factor) exceeds its window is added to the
-  step (at the first block's backward, the step's last);
+  (``n * block_bytes / bytes_per_s``, each block's share times its own noise factor) exceeds
+  its window is added to the step (at the first block's backward, the step's last);
 - the pool (``pool_bytes``) grows when a step's stores hold more than it has: each new byte
   costs ``pool_growth_s_per_byte`` on the clock, and the store reports those seconds as pool
   growth (``tba.offloaders.cpu_time.charge_pool_growth``; Note [Pool growth is not transfer
@@ -240,8 +240,11 @@ class GpuWorld(ScriptedWorld):
         nb = self.num_blocks
         store_window = nb * self.forward_s + (nb - n) * self.backward_s
         load_window = nb * self.backward_s
-        exposed = (max(0.0, moved / self.bytes_per_s * self._factor() - store_window)
-                   + max(0.0, moved / self.read_bytes_per_s * self._factor() - load_window))
+        blocks = max(1, round(n))  # each block's transfer its own noise factor
+        write = sum(self._factor() for _ in range(blocks)) / blocks
+        read = sum(self._factor() for _ in range(blocks)) / blocks
+        exposed = (max(0.0, moved / self.bytes_per_s * write - store_window)
+                   + max(0.0, moved / self.read_bytes_per_s * read - load_window))
         self.clock.advance(exposed)
 
     def _charge_store(self, num_bytes: int) -> None:
