@@ -3,7 +3,7 @@ scripted time]): how often it settles at the physical bound, one block below, lo
 it, whether it stays there, and how it follows a drift. The real cache, rule and closed loop
 run; only time is scripted.
 
-    python benchmarks/gpu_worlds.py --seeds 10 --out benchmarks/results/cpu/gpu_worlds.json \
+    python benchmarks/gpu_worlds.py --seeds 10 --out /tmp/gpu_worlds.json \
         | tee benchmarks/results/cpu/gpu_worlds.txt
 
 Worlds: H100 compute (77 ms keep step, 12 blocks, a third forward), 0.6 GB per block, pinned
