@@ -17,7 +17,9 @@ __all__ = [
     "CHECKSUM_BLOCK_BYTES",
     "CLOSED_LOOP_BASELINE_KEEPS",
     "CLOSED_LOOP_CONFIDENCE",
+    "CLOSED_LOOP_DISTURBED",
     "CLOSED_LOOP_DRIFT_WINDOW",
+    "CLOSED_LOOP_MAX_DISTURBED",
     "CLOSED_LOOP_KEEP_EVERY",
     "CLOSED_LOOP_KEEP_MARGIN",
     "CLOSED_LOOP_MAX_PAIRS",
@@ -95,6 +97,10 @@ CLOSED_LOOP_MAX_PAIRS: int = 5
 # Measured steps (count) per check at most: a check settles within them. Room for three
 # boundaries measured to CLOSED_LOOP_MAX_PAIRS (Note [Bracket search]).
 CLOSED_LOOP_MAX_PROBE_STEPS: int = 60
+# Note [Disturbed steps]: a timed probe step this much slower than the fastest of its kind in
+# the same measurement is no sample, at most CLOSED_LOOP_MAX_DISTURBED times per boundary.
+CLOSED_LOOP_DISTURBED: float = 0.05
+CLOSED_LOOP_MAX_DISTURBED: int = 2
 # Worth it (plain factor): a boundary's offloaded fraction of the blocks' activation bytes must
 # be at least this times its step-time overhead (5: each 1% of step time saves >= 5% of bytes).
 CLOSED_LOOP_MIN_SAVING_PER_OVERHEAD: float = 5.0

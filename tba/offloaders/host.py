@@ -6,11 +6,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 
 import torch
 
 from tba.errors import TBAError
 from tba.offloaders._stream_wait import wait_for_stream
+from tba.offloaders.cpu_time import charge_pool_growth
 from tba.offloaders.extents import ExtentAllocator
 from tba.offloaders.host_memory import HostAllocator, HostBuffer, discard_pages
 from tba.settings import HOST_POOL_ALIGNMENT, HOST_POOL_MIN_SLAB_BYTES, PAGE_BYTES
@@ -110,7 +112,9 @@ class HostOffloader:
 
     def _new_slab(self, pinned: bool, num_bytes: int) -> _Slab:
         """A slab of ``num_bytes`` (no lock held: pinning takes milliseconds per MiB)."""
+        start = time.perf_counter()
         buffer = self._allocator.allocate(num_bytes, pinned=pinned)
+        charge_pool_growth(time.perf_counter() - start)  # Note [Pool growth is not transfer time]
         logger.debug("host pool: new %s slab of %d bytes", "pinned" if buffer.pinned else "pageable", num_bytes)
         return _Slab(buffer)
 

@@ -49,6 +49,7 @@ from tba.testing._parity import check_parity
 from tba.testing._report import Mismatch, ParityReport
 from tba.offloaders.wrapper import OffloaderWrapper
 from tba.testing._probe import CacheProbe, probe
+from tba.testing._gpu_world import GpuWorld
 from tba.testing._scripted_world import ScriptedWorld
 from tba.testing._step_timing import FakeStepClock, drive_closed_loop
 
@@ -69,4 +70,5 @@ __all__ = [
     "drive_closed_loop",
     "FakeStepClock",
     "ScriptedWorld",
+    "GpuWorld",
 ]

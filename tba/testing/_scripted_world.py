@@ -38,7 +38,7 @@ import random
 import warnings
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -51,6 +51,8 @@ from tba.testing._step_timing import FakeStepClock, drive_closed_loop
 from tba.offloaders.wrapper import OffloaderWrapper
 
 __all__ = ["ScriptedWorld"]
+
+_World = TypeVar("_World", bound="ScriptedWorld")
 
 
 class _Block(nn.Module):
@@ -159,12 +161,20 @@ class ScriptedWorld:
                 block.register_full_backward_pre_hook(
                     lambda *_: self.clock.advance(self.backward_s * self._factor())),
             ]
-        self.offloader = _TimedOffloader(self)
+        self.offloader = self._make_offloader()
         self.cache: tba.TensorCache = tba.configure_tensor_cache(
             self.model, offloader=self.offloader, offload_devices=("cpu",), min_offload_bytes=0,
             **options,
         )
-        drive_closed_loop(self.cache, clock=self.clock, free_bytes=lambda: 1 << 40)
+        drive_closed_loop(self.cache, clock=self.clock, free_bytes=lambda: 1 << 40,
+                          knee=self._knee or None)
+
+    #: Whether the loop is told transfers overlap compute (Note [Predictions under a knee]).
+    _knee = False
+
+    def _make_offloader(self) -> OffloaderWrapper:
+        """The world's offloader (:class:`GpuWorld` scripts a pool in its own)."""
+        return _TimedOffloader(self)
 
     @classmethod
     def with_budget_boundary(cls, boundary: int, **kwargs: Any) -> ScriptedWorld:
@@ -241,7 +251,7 @@ class ScriptedWorld:
             handle.remove()
         self._handles = []
 
-    def __enter__(self) -> ScriptedWorld:
+    def __enter__(self: _World) -> _World:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

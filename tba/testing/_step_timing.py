@@ -72,6 +72,7 @@ def drive_closed_loop(
     free_bytes: Callable[[], int] | None = None,
     keep_every: int | None = None,
     recheck_every: int | None = None,
+    knee: bool | None = None,
 ) -> None:
     """Install scripted timing on ``cache``'s closed loop; arguments left out stay as they are.
 
@@ -86,6 +87,9 @@ def drive_closed_loop(
         keep_every: steady steps between runs of keep steps that refresh the keep baseline
             (default 20).
         recheck_every: steady steps between re-checks from a new profile (default 500).
+        knee: whether transfers overlap compute, costing nothing up to a knee (Note
+            [Predictions under a knee] in tba/cache/policy/bracket_search.py; default: on
+            CUDA). ``tba.testing.GpuWorld`` passes True.
 
     Raises:
         ValueError: the cache has no closed loop (``adaptive=False``, ``max_step_overhead=None``,
@@ -106,7 +110,8 @@ def drive_closed_loop(
     steps = cache._steps
     loop = steps.loop
     problems = []
-    loop_only = {"free_bytes": free_bytes, "keep_every": keep_every, "recheck_every": recheck_every}
+    loop_only = {"free_bytes": free_bytes, "keep_every": keep_every, "recheck_every": recheck_every,
+                 "knee": knee}
     given = [name for name, value in loop_only.items() if value is not None]
     if loop is None and given:
         problems.append(
@@ -133,3 +138,5 @@ def drive_closed_loop(
             loop.keep_every = keep_every
         if loop is not None and recheck_every is not None:
             loop.recheck_every = recheck_every
+        if knee is not None:
+            steps.knee = knee

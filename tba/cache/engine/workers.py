@@ -241,7 +241,9 @@ class TransferWorkers:
             elif failure is not None:
                 self._store_failed(entry, failure)
             else:
-                self.step.write_s += end - copy_start
+                # Note [Pool growth is not transfer time] (tba/offloaders/cpu_time.py)
+                self.step.write_s += max(end - copy_start - cpu.pool_growth_s, 0.0)
+                self.step.pool_growth_s += cpu.pool_growth_s
                 xfer.token, xfer.page_offset = token, page_offset
                 new = self._apply(entry, E.STORE_DONE)
                 if new is S.DROPPED:

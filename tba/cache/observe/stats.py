@@ -50,6 +50,9 @@ class CacheStats:
             for small inline transfers; reload buffers included), plus what the offloader's
             own I/O threads charged to them (the SSD posix engine's pool). What offloading
             costs the cores that also compute; see :attr:`io_cpu_s_per_gb`.
+        pool_growth_s: seconds stores spent growing the offloader's pool (allocating and
+            pinning host memory), kept out of ``write_s`` and the write bandwidth (Note [Pool
+            growth is not transfer time] in tba/offloaders/cpu_time.py).
         tiers: per tier of a tiered offloader (``"host+ssd"``: ``"host"`` and ``"ssd"``), what
             it stored and held (:class:`tba.offloaders.TierStats`); empty otherwise.
     """
@@ -75,6 +78,7 @@ class CacheStats:
     num_captured: int = 0
     num_record_stream: int = 0
     io_cpu_s: float = 0.0
+    pool_growth_s: float = 0.0
     # Busy time of completed transfers, the denominators of the two rates above.
     write_s: float = 0.0
     read_s: float = 0.0

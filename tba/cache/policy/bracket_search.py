@@ -46,6 +46,19 @@ rule's boundary, once measured over, points at the best boundary at once; the ch
 it and, unless the one above it is predicted over, that one too. Under convex costs a line
 through measurements reads high between them and a line through keep reads wrong at both
 ends: the check then measures more boundaries, and predictions only ever lower its result.
+Note [Predictions under a knee]: on CUDA a transfer runs beside the compute and costs the step
+nothing until the link is saturated, then almost all of what it does not hide: 0 up to a knee,
+then close to linear (GPT-2 on the H100: ~4 of 12 blocks hide, a fifth costs ~16% of the step).
+A line through keep then reads high below the knee, and interpolating it *predicts over* what
+hides: a measured +260% at 11 blocks put one block over, and the check kept every block where 4
+hid. Under a knee (``knee``, the loop's ``knee``: on CUDA, or ``tba.testing.GpuWorld``) a
+boundary is predicted over only from the line through the lower bounds of the two nearest
+measured boundaries above it, extended down (a convex cost lies above its secants outside
+them: a lower bound), and the next boundary measured is the largest one within its limit on
+the line through two boundaries measured over (past the knee that line is the cost), else the
+bracket's middle (or the keep line's choice when larger: exact on linear costs). Measuring the
+top, the middle and the knee's boundary settles in about 40 steps (benchmarks/gpu_worlds.py).
+
 Tested in tests/cache/test_bracket_search.py, tests/cache/test_overhead_loop.py and, on
 scripted worlds (``tba.testing.ScriptedWorld``), tests/cache/test_scripted_worlds.py.
 """
@@ -124,6 +137,9 @@ class BracketSearch:
         min_saving_per_overhead: the worth-it factor (saved fraction per overhead).
         confidence: of the bounds on one boundary's own pairs.
         pass_confidence: of the upper bound on ``top``'s own pairs a pass of ``top`` needs.
+        knee: transfers overlap compute (CUDA): costs are 0 up to a knee, then close to
+            linear; predictions and the next boundary follow Note [Predictions under a knee].
+        known_within: a boundary known within before the check (steady steps showed it).
 
     Example:
         >>> search = BracketSearch([10] * 12, 11, max_overhead=0.05, min_saving_per_overhead=5,
@@ -143,8 +159,11 @@ class BracketSearch:
         min_saving_per_overhead: float,
         confidence: float,
         pass_confidence: float,
+        knee: bool = False,
+        known_within: int = 0,
     ) -> None:
         self.max_overhead = max_overhead
+        self.knee = knee  # Note [Predictions under a knee]
         self.min_saving_per_overhead = min_saving_per_overhead
         self.confidence = confidence
         self.pass_confidence = pass_confidence
@@ -155,7 +174,7 @@ class BracketSearch:
             offloaded.append(offloaded[-1] + num_bytes)
         # The fraction of the blocks' bytes boundary n offloads (its x in every fit).
         self._saved = [b / total if total > 0 else 0.0 for b in offloaded]
-        self.lo = 0  # the largest boundary known within
+        self.lo = known_within  # the largest boundary known within
         self.hi = top + 1  # the smallest boundary known over (top + 1: none)
         self.hi_reason = ""
         self.verdicts: dict[int, Verdict] = {}  # measured boundaries, concluded
@@ -250,6 +269,8 @@ class BracketSearch:
         """A lower bound on ``j``'s overhead: the lower bounds of the nearest measured
         boundaries below (keep: exactly 0) and above it, interpolated linearly in offloaded
         bytes; None without one above."""
+        if self.knee:
+            return self._secant_low(j)
         a, b = self._neighbours(j)
         if b < 0:
             return None
@@ -258,6 +279,52 @@ class BracketSearch:
         xa, xb, xj = self.saved(a), self.saved(b), self.saved(j)
         t = (xj - xa) / (xb - xa) if xb > xa else 0.0
         return low_a + t * (low_b - low_a)
+
+    def _secant_above(self, j: int) -> tuple[tuple[float, float], tuple[float, float]] | None:
+        """(saved, lower bound) of the two nearest measured boundaries above ``j``, when their
+        lower bounds rise with the bytes; else None."""
+        above = sorted(b for b in self.verdicts if b > j)[:2]
+        if len(above) < 2:
+            return None
+        a, b = above
+        la, lb = self.verdicts[a].measured.low, self.verdicts[b].measured.low
+        xa, xb = self.saved(a), self.saved(b)
+        if not (xb > xa and lb > la):
+            return None
+        return (xa, la), (xb, lb)
+
+    def _secant_low(self, j: int) -> float | None:
+        """Under a knee: the line through the lower bounds of the two nearest measured
+        boundaries above ``j``, extended down to it (below a convex cost's secant: a lower
+        bound); None without two."""
+        pair = self._secant_above(j)
+        if pair is None:
+            return None
+        (xa, la), (xb, lb) = pair
+        return la + (self.saved(j) - xa) * (lb - la) / (xb - xa)
+
+    def _next_under_knee(self) -> int:
+        """Note [Predictions under a knee]: with two boundaries measured over, the largest one
+        in the bracket their line (through their medians) puts within its limit; else the
+        bracket's middle, or the keep line's choice when that is larger."""
+        middle = (self.lo + self.hi) // 2
+        over = sorted(b for b, v in self.verdicts.items() if v.outcome != "pass" and b >= self.hi)
+        if len(over) >= 2:
+            a, b = over[:2]
+            ra, rb = median(self._ratios[a]), median(self._ratios[b])
+            xa, xb = self.saved(a), self.saved(b)
+            if xb > xa and rb > ra:
+                for j in range(self.hi - 1, self.lo, -1):
+                    if ra + (self.saved(j) - xa) * (rb - ra) / (xb - xa) <= self.limit(j) + 1e-9:
+                        return j
+                return self.lo + 1
+        if self.lo > 0:
+            return middle
+        self.knee = False
+        try:
+            return max(self.next_candidate(), middle)
+        finally:
+            self.knee = True
 
     def fitted(self, j: int) -> float | None:
         """``j``'s overhead by a line through keep fitted to every pair measured in the check:
@@ -274,6 +341,8 @@ class BracketSearch:
         """The boundary to measure next: the largest one in the bracket whose fitted overhead
         is within its limit, else the one fitted closest to its limit."""
         assert not self.done
+        if self.knee:
+            return self._next_under_knee()
         best, best_excess = self.lo + 1, math.inf
         for j in range(self.hi - 1, self.lo, -1):
             mid, limit = self.fitted(j), self.limit(j)

@@ -53,6 +53,25 @@ tests/cache/test_overhead_loop.py and, in the cache with a fake clock installed 
 ``tba.testing.drive_closed_loop``, tests/cache/test_closed_loop.py and (whole scripted
 worlds, ``tba.testing.ScriptedWorld``) tests/cache/test_scripted_worlds.py.
 
+Note [Looking up] (with ``knee``): below a knee, steps at the settled boundary cost nothing
+more when the link gets faster, so steady steps cannot show that more blocks would hide now
+(a link doubling its bandwidth doubles the bound). Every ``keep_every`` steady steps, halfway
+between the keep runs, a run of ``RUN`` steps offloads one block more (up to the rule's
+boundary); when its timed step is within that boundary's limit over the keep baseline, a
+check of ``[c, rule]`` starts at once (``c`` known within). Past the knee such a run costs
+about half a block's exposed transfer twice in ``keep_every`` steps.
+
+Note [Disturbed steps] (with ``knee``: transfers that overlap compute): a step slowed by other work (an outlier: on the H100 and in the
+acceptance's worlds 5% of steps, 10-40% slower) lands in a pair, and a pass needs an upper
+bound on the median that, with five pairs, is their largest ratio: one disturbed offload step
+held a boundary that hides its transfers back (counted over, the check settled four blocks
+below the bound). A timed step more than ``CLOSED_LOOP_DISTURBED`` (5%) slower than the
+fastest of at least two of its kind in the same measurement (keep steps, or offload steps at
+the candidate: other work only adds time, and the kind's own noise is far smaller) is taken
+for disturbed and not a sample; the run goes on and measures another pair, at most
+``CLOSED_LOOP_MAX_DISTURBED`` (2) times per boundary measured (a machine that is slow for
+good is measured as it is). The steps still count in ``probe_steps``.
+
 A keep step holds every activation of the step in memory, which offloading was meant to avoid:
 the cache starts the loop only when the memory free at the decision covers what the rule's
 boundary would have offloaded (``free_memory_bytes``, with a margin); otherwise the rule's
@@ -71,7 +90,9 @@ from tba.cache.policy.bracket_search import BracketSearch, Verdict
 from tba.cache.policy.paired_ratios import PairedOverhead, median
 from tba.settings import CLOSED_LOOP_BASELINE_KEEPS as BASELINE_KEEPS
 from tba.settings import CLOSED_LOOP_CONFIDENCE as CONFIDENCE
+from tba.settings import CLOSED_LOOP_DISTURBED as DISTURBED
 from tba.settings import CLOSED_LOOP_DRIFT_WINDOW as DRIFT_WINDOW
+from tba.settings import CLOSED_LOOP_MAX_DISTURBED as MAX_DISTURBED
 from tba.settings import CLOSED_LOOP_KEEP_EVERY as KEEP_EVERY
 from tba.settings import CLOSED_LOOP_KEEP_MARGIN as KEEP_MARGIN
 from tba.settings import CLOSED_LOOP_MAX_PAIRS as MAX_PAIRS
@@ -185,11 +206,15 @@ class OverheadLoop:
             (), 0, max_overhead=max_overhead, min_saving_per_overhead=min_saving_per_overhead,
             confidence=confidence, pass_confidence=pass_confidence,
         )
+        # Transfers overlap compute (CUDA; Note [Predictions under a knee]): the cache sets it
+        # at each decision; also turns on Note [Disturbed steps].
+        self.knee = False
         self._limit = max_overhead  # the overhead the settled boundary may cost
         self._passed: dict[int, PairedOverhead] = {}
         self._keep: list[float] = []
         self._offload: list[float] = []
         self._num_judged = 0
+        self._num_disturbed = 0
         self._baseline: collections.deque[float] = collections.deque(maxlen=BASELINE_KEEPS)
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
         self._num_steady = 0
@@ -210,21 +235,33 @@ class OverheadLoop:
             return self._settle(0, step, "the rule allows no block, nothing to measure")
         return self._check(rule, step, "after the profile")
 
-    def observe(self, ran_at: int, seconds: float, *, step: int | None = None) -> int | None:
+    def observe(
+        self, ran_at: int, seconds: float, *, step: int | None = None, grew_pool: bool = False
+    ) -> int | None:
         """A step ran ``seconds`` with blocks ``[0, ran_at)`` offloaded (0: nothing at all);
         returns the boundary for the next step, or None when conditions must be checked
         again from a new profile (``reason`` says why). ``step`` numbers the step for
-        ``settled_at_step`` and ``events`` (default: the loop counts the steps it saw)."""
+        ``settled_at_step`` and ``events`` (default: the loop counts the steps it saw).
+        ``grew_pool``: the step's stores grew the offloader's pool: it counts in its run but
+        its time is no sample (Note [Pool growth is not transfer time])."""
         self._num_observed += 1
         step = self._num_observed if step is None else step
         if ran_at == self._run_at:
             self._run_length += 1
         else:
             self._run_at, self._run_length = ran_at, 1
-        timed = self._run_length >= RUN  # the step before it ran the same boundary
+        # The step before it ran the same boundary, and no pool growth is in its time.
+        timed = self._run_length >= RUN and not grew_pool
         if self.probing:
             return self._observe_probe(ran_at, seconds, timed, step)
         return self._observe_steady(ran_at, seconds, timed, step)
+
+    @property
+    def holds_pool(self) -> bool:
+        """Whether offloading comes back soon (Note [The pool stays while the loop measures]):
+        measuring, settled at a boundary that offloads (its keep runs come back to it), or
+        looking up from keep (Note [Looking up])."""
+        return self.probing or self.candidate != 0 or (self.knee and self.rule > 0)
 
     @property
     def keep_baseline_s(self) -> tuple[float, ...]:
@@ -245,12 +282,12 @@ class OverheadLoop:
         )
 
     # ------------------------------------------------------------------ a check
-    def _check(self, top: int, step: int | None, why: str) -> int:
-        """Search ``[0, top]``, ``top`` first (Note [Bracket search])."""
+    def _check(self, top: int, step: int | None, why: str, known_within: int = 0) -> int:
+        """Search ``[known_within, top]``, ``top`` first (Note [Bracket search])."""
         self._search = BracketSearch(
             self._block_bytes, top, max_overhead=self.max_overhead,
             min_saving_per_overhead=self.min_saving_per_overhead, confidence=self.confidence,
-            pass_confidence=self.pass_confidence,
+            pass_confidence=self.pass_confidence, knee=self.knee, known_within=known_within,
         )
         self._passed = {}
         self.probe_steps = 0
@@ -259,6 +296,7 @@ class OverheadLoop:
 
     def _probe(self, candidate: int, step: int | None, why: str) -> int:
         self._keep, self._offload, self._num_judged = [], [], 0
+        self._num_disturbed = 0
         self.candidate = candidate
         self.probing = True
         self.reason = (
@@ -279,6 +317,8 @@ class OverheadLoop:
         if ran_at not in (0, c):  # a step started before the boundary changed (CUDA times)
             return 0
         self.probe_steps += 1
+        if timed and self.knee and self._disturbed(self._keep if ran_at == 0 else self._offload, seconds):
+            timed = False  # Note [Disturbed steps]: measure another pair instead
         if timed and ran_at == 0:
             self._keep.append(seconds)
             self._baseline.append(seconds)
@@ -294,6 +334,17 @@ class OverheadLoop:
             if verdict is not None:
                 return self._conclude(verdict, step)
         return self._next_in_probe(ran_at)
+
+    def _disturbed(self, same: Sequence[float], seconds: float) -> bool:
+        """Note [Disturbed steps]: a timed step more than ``DISTURBED`` slower than the
+        fastest of at least two of its kind (keep, or offload at the candidate) in this
+        measurement is no sample, at most ``MAX_DISTURBED`` times per boundary measured."""
+        if len(same) < 2 or self._num_disturbed >= MAX_DISTURBED:
+            return False
+        if seconds <= (1.0 + DISTURBED) * min(same):
+            return False
+        self._num_disturbed += 1
+        return True
 
     def _conclude(self, verdict: Verdict, step: int) -> int:
         c, search = self.candidate, self._search
@@ -341,9 +392,14 @@ class OverheadLoop:
             if timed:
                 self._baseline.append(seconds)
             return 0 if self._run_length < RUN else c
+        if ran_at == c + 1 and self.knee:  # Note [Looking up]
+            return self._observe_up(seconds, timed, step)
         if ran_at != c:
             return c
         self._num_steady += 1
+        if (self.knee and c < self.rule and self._baseline
+                and self._num_steady % self.keep_every == self.keep_every // 2):
+            return c + 1
         if self.rule and self._num_steady >= self.recheck_every:
             self._recheck(step, f"periodic re-check after {self._num_steady} steps")
             return None
@@ -363,6 +419,23 @@ class OverheadLoop:
             return self._check(c, step, why)
         if self._num_steady % self.keep_every == 0 and self.can_keep(self._offloaded_bytes(c)):
             return 0
+        return c
+
+    def _observe_up(self, seconds: float, timed: bool, step: int) -> int:
+        """Note [Looking up]: a run of steps at one block more than the settled boundary; its
+        timed step within that boundary's limit over the keep baseline starts a check of
+        ``[c, rule]``."""
+        c = self.candidate
+        if self._run_length < RUN:
+            return c + 1
+        if timed and self._baseline:
+            baseline = _baseline_s(self._baseline)
+            overhead = seconds / baseline - 1.0 if baseline > 0 else 0.0
+            if overhead <= self._search.limit(c + 1) + 1e-9:
+                why = (f"blocks [0, {c + 1}) ran {overhead:+.1%} over the keep baseline "
+                       f"{baseline * 1e3:.1f} ms, within what they may cost: more may hide now")
+                self._event(step, "suspect", c + 1, why)
+                return self._check(self.rule, step, why, known_within=c)
         return c
 
     def _recheck(self, step: int, why: str) -> None:

@@ -55,6 +55,7 @@ class Steps:
         self._boundary = boundary
         self._offloader = offloader
         self._on_cuda = on_cuda
+        self.knee: bool | None = None  # the loop's ``knee``; None: on CUDA (drive_closed_loop sets it)
         self.last = CacheStats()
         self.total = CacheStats()
         self.history: collections.deque[tuple[int, CacheStats, int]] = collections.deque(maxlen=1000)
@@ -78,7 +79,7 @@ class Steps:
         self.clock: StepClock | None = None
         self.free_bytes: Callable[[], int] | None = None  # memory a keep step may use
         self._step_start: Any = None
-        self._timed: collections.deque[tuple[int, int, Any, Any]] = collections.deque(maxlen=64)
+        self._timed: collections.deque[tuple[int, int, Any, Any, bool]] = collections.deque(maxlen=64)
         overhead = config.max_step_overhead
         self.loop = (
             OverheadLoop(overhead, can_keep=self._keep_fits)
@@ -134,7 +135,8 @@ class Steps:
         ran_at = self._boundary.tail_start
         self.history.append((self._num_done, step, ran_at))
         if self._step_start is not None and self.clock is not None:
-            self._timed.append((self._num_done, ran_at, self._step_start, self.clock.mark()))
+            grew = step.pool_growth_s > 0  # Note [Pool growth is not transfer time]
+            self._timed.append((self._num_done, ran_at, self._step_start, self.clock.mark(), grew))
             self._step_start = None
         decision = self._boundary.decision
         forwards, self._num_forwards = self._num_forwards, 0
@@ -172,12 +174,15 @@ class Steps:
         offload no block and is not measuring. Then ``reserve(0)`` (on the store worker) lets
         the offloader give back the buffers and pool space its profiled and measured steps
         used; they come back with the next store. Tested in
-        tests/cache/test_diagnose.py::test_keep_everything_decision_gives_offloader_memory_back."""
+        tests/cache/test_diagnose.py::test_keep_everything_decision_gives_offloader_memory_back.
+        Note [The pool stays while the loop measures]: not while the loop measures, runs its
+        keep steps beside an offloading decision, or looks up (``OverheadLoop.holds_pool``):
+        the next offloading step would pay the pool's growth again (on the H100, 2 s)."""
         loop = self.loop
         return (
             self._deciding and self._offloader is not None and self._profile_due is None
             and self._boundary.decision is not None and self._boundary.tail_start == 0
-            and not (loop is not None and loop.probing)
+            and not (loop is not None and loop.holds_pool)
         )
 
     def _reprofile(self, why: str) -> None:
@@ -192,13 +197,13 @@ class Steps:
         assert loop is not None and clock is not None
         changed = False
         while timed:
-            number, ran_at, start, end = timed[0]
+            number, ran_at, start, end, grew = timed[0]
             seconds = clock.seconds(start, end)
             if seconds is None:
                 break
             timed.popleft()
             changed = True
-            tail_start = loop.observe(ran_at, seconds, step=number)
+            tail_start = loop.observe(ran_at, seconds, step=number, grew_pool=grew)
             if tail_start is None:
                 self._reprofile(loop.reason)
                 break
@@ -241,6 +246,8 @@ class Steps:
                 self._loop_on = self._keep_fits(extra)
                 fields: dict[str, Any] = {}
                 if self._loop_on:
+                    # Note [Predictions under a knee]: on CUDA transfers overlap compute.
+                    loop.knee = self._on_cuda() if self.knee is None else self.knee
                     tail_start = loop.start(decision.tail_start, profile.block_bytes,
                                             step=self._num_done)
                     self._boundary.set(tail_start, keep_all=True)
