@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from tba.cache.policy.paired_ratios import PairedOverhead, judge, median, median_bounds
@@ -140,6 +140,9 @@ class BracketSearch:
         knee: transfers overlap compute (CUDA): costs are 0 up to a knee, then close to
             linear; predictions and the next boundary follow Note [Predictions under a knee].
         known_within: a boundary known within before the check (steady steps showed it).
+        known_over: boundaries above ``top`` known over before the check, with a lower bound
+            on their overhead (steady steps showed it): under a knee they join the secants
+            that predict over (Note [Steady steps far over]).
 
     Example:
         >>> search = BracketSearch([10] * 12, 11, max_overhead=0.05, min_saving_per_overhead=5,
@@ -161,9 +164,11 @@ class BracketSearch:
         pass_confidence: float,
         knee: bool = False,
         known_within: int = 0,
+        known_over: Mapping[int, float] | None = None,
     ) -> None:
         self.max_overhead = max_overhead
         self.knee = knee  # Note [Predictions under a knee]
+        self._last_block_worth = knee  # Note [Worth it past a knee]
         self.min_saving_per_overhead = min_saving_per_overhead
         self.confidence = confidence
         self.pass_confidence = pass_confidence
@@ -178,6 +183,7 @@ class BracketSearch:
         self.hi = top + 1  # the smallest boundary known over (top + 1: none)
         self.hi_reason = ""
         self.verdicts: dict[int, Verdict] = {}  # measured boundaries, concluded
+        self._known_low = {n: low for n, low in (known_over or {}).items() if n > top}
         self._ratios: dict[int, list[float]] = {}
 
     # ------------------------------------------------------------------ measuring
@@ -231,8 +237,12 @@ class BracketSearch:
 
     def limit(self, n: int) -> float:
         """The most overhead boundary ``n`` may cost: the budget, or less when its saving is
-        worth no more (the worth-it factor)."""
-        return min(self.max_overhead, self.saved(n) / self.min_saving_per_overhead)
+        worth no more (the worth-it factor); under a knee, no more than its last block alone
+        is worth (Note [Worth it past a knee])."""
+        worth = self.saved(n)
+        if self._last_block_worth and n > 0:
+            worth = min(worth, self.saved(n) - self.saved(n - 1))
+        return min(self.max_overhead, worth / self.min_saving_per_overhead)
 
     def conclude(self, verdict: Verdict) -> None:
         """Record a final verdict and place the bracket's ends again: ``hi`` is the smallest
@@ -283,11 +293,12 @@ class BracketSearch:
     def _secant_above(self, j: int) -> tuple[tuple[float, float], tuple[float, float]] | None:
         """(saved, lower bound) of the two nearest measured boundaries above ``j``, when their
         lower bounds rise with the bytes; else None."""
-        above = sorted(b for b in self.verdicts if b > j)[:2]
+        lows = {**self._known_low, **{b: v.measured.low for b, v in self.verdicts.items()}}
+        above = sorted(b for b in lows if b > j)[:2]
         if len(above) < 2:
             return None
         a, b = above
-        la, lb = self.verdicts[a].measured.low, self.verdicts[b].measured.low
+        la, lb = lows[a], lows[b]
         xa, xb = self.saved(a), self.saved(b)
         if not (xb > xa and lb > la):
             return None

@@ -221,6 +221,11 @@ class OverheadLoop:
         self._num_observed = 0
         self._run_at: int | None = None  # the boundary of the running run of steps ...
         self._run_length = 0  # ... and how many steps it has
+        # Note [Looking up]: the lower bound of each boundary's last verdict that did not
+        # pass (or of steady steps all over), and the boundary a look-up runs at.
+        self._over: dict[int, float] = {}
+        self._up_at: int | None = None
+        self._num_waited = 0  # steady steps waited for a full window far over
 
     # ------------------------------------------------------------------ feeding
     def start(self, rule: int, block_bytes: Sequence[int], *, step: int | None = None) -> int:
@@ -282,17 +287,21 @@ class OverheadLoop:
         )
 
     # ------------------------------------------------------------------ a check
-    def _check(self, top: int, step: int | None, why: str, known_within: int = 0) -> int:
-        """Search ``[known_within, top]``, ``top`` first (Note [Bracket search])."""
+    def _check(self, top: int, step: int | None, why: str, known_within: int = 0, *,
+               bisect: bool = False, known_over: dict[int, float] | None = None) -> int:
+        """Search ``[known_within, top]``, ``top`` first, or with ``bisect`` the boundary the
+        search picks from nothing measured (under a knee: the middle; Note [Looking up])."""
         self._search = BracketSearch(
             self._block_bytes, top, max_overhead=self.max_overhead,
             min_saving_per_overhead=self.min_saving_per_overhead, confidence=self.confidence,
             pass_confidence=self.pass_confidence, knee=self.knee, known_within=known_within,
+            known_over=known_over,
         )
         self._passed = {}
         self.probe_steps = 0
         self.settled_at_step = None
-        return self._probe(top, step, why)
+        first = self._search.next_candidate() if bisect and not self._search.done else top
+        return self._probe(first, step, why)
 
     def _probe(self, candidate: int, step: int | None, why: str) -> int:
         self._keep, self._offload, self._num_judged = [], [], 0
@@ -317,14 +326,15 @@ class OverheadLoop:
         if ran_at not in (0, c):  # a step started before the boundary changed (CUDA times)
             return 0
         self.probe_steps += 1
-        if timed and self.knee and self._disturbed(self._keep if ran_at == 0 else self._offload, seconds):
-            timed = False  # Note [Disturbed steps]: measure another pair instead
         if timed and ran_at == 0:
             self._keep.append(seconds)
             self._baseline.append(seconds)
         elif timed:
             self._offload.append(seconds)
+        if timed and self.knee:  # Note [Disturbed steps]: measure another pair instead
+            self._drop_disturbed(self._keep if ran_at == 0 else self._offload)
         num_pairs = min(len(self._keep), len(self._offload))
+        self._num_judged = min(self._num_judged, num_pairs)
         if num_pairs > self._num_judged and num_pairs >= self.min_pairs:
             self._num_judged = num_pairs
             budget_left = self.max_probe_steps - self.probe_steps
@@ -335,16 +345,15 @@ class OverheadLoop:
                 return self._conclude(verdict, step)
         return self._next_in_probe(ran_at)
 
-    def _disturbed(self, same: Sequence[float], seconds: float) -> bool:
+    def _drop_disturbed(self, same: list[float]) -> None:
         """Note [Disturbed steps]: a timed step more than ``DISTURBED`` slower than the
         fastest of at least two of its kind (keep, or offload at the candidate) in this
-        measurement is no sample, at most ``MAX_DISTURBED`` times per boundary measured."""
-        if len(same) < 2 or self._num_disturbed >= MAX_DISTURBED:
-            return False
-        if seconds <= (1.0 + DISTURBED) * min(same):
-            return False
-        self._num_disturbed += 1
-        return True
+        measurement, the later or the earlier, is no sample, at most ``MAX_DISTURBED`` times
+        per boundary measured."""
+        while (len(same) >= 2 and self._num_disturbed < MAX_DISTURBED
+               and max(same) > (1.0 + DISTURBED) * min(same)):
+            same.remove(max(same))
+            self._num_disturbed += 1
 
     def _conclude(self, verdict: Verdict, step: int) -> int:
         c, search = self.candidate, self._search
@@ -356,9 +365,15 @@ class OverheadLoop:
         logger.info("tba adaptive: %s", measured)
         if passed:
             self._passed[c] = result
+            self._over.pop(c, None)
+        else:
+            self._over[c] = result.low
         search.conclude(verdict)
         bracket = search.describe()
         if search.done:
+            low = search.predicted_low(search.hi) if search.hi not in search.verdicts else None
+            if low is not None and search.hi <= search.top:
+                self._over[search.hi] = low  # Note [Looking up]: predicted over
             return self._settle(search.lo, step, f"{measured}; {bracket}")
         if self.max_probe_steps - self.probe_steps < 2 * RUN * self.min_pairs:
             return self._settle(search.lo, step, f"{measured}; {bracket}; measuring budget spent")
@@ -371,6 +386,7 @@ class OverheadLoop:
         self.settled_at_step = step
         self._num_steady = 0
         self._recent.clear()
+        self._num_waited = 0
         accepted = self._passed.get(n)
         if n == 0:
             outcome = "keep every block"
@@ -392,14 +408,15 @@ class OverheadLoop:
             if timed:
                 self._baseline.append(seconds)
             return 0 if self._run_length < RUN else c
-        if ran_at == c + 1 and self.knee:  # Note [Looking up]
-            return self._observe_up(seconds, timed, step)
+        if ran_at == self._up_at and self.knee:  # Note [Looking up]
+            return self._observe_up(ran_at, seconds, timed, step)
         if ran_at != c:
             return c
         self._num_steady += 1
         if (self.knee and c < self.rule and self._baseline
                 and self._num_steady % self.keep_every == self.keep_every // 2):
-            return c + 1
+            self._up_at = self._look_up_at()
+            return self._up_at
         if self.rule and self._num_steady >= self.recheck_every:
             self._recheck(step, f"periodic re-check after {self._num_steady} steps")
             return None
@@ -408,7 +425,12 @@ class OverheadLoop:
         baseline = _baseline_s(self._baseline)
         self._recent.append(seconds / baseline - 1.0 if baseline > 0 else 0.0)
         drift = median(self._recent)
+        far = self._far_over()
         if len(self._recent) >= self.min_pairs and drift > self._limit + 1e-9:
+            if (self.knee and drift > 2 * self._limit and not far
+                    and self._num_waited < self.window):
+                self._num_waited += 1  # Note [Steady steps far over]: wait for a full window
+                return c
             why = (f"steady steps: median {drift:+.1%} over the keep baseline "
                    f"{baseline * 1e3:.1f} ms, more than the {self._limit:.1%} blocks [0, {c}) "
                    "may cost")
@@ -416,26 +438,55 @@ class OverheadLoop:
                 self._recheck(step, f"{why}, and no memory is free for keep steps")
                 return None
             self._event(step, "suspect", c, why)
+            if far:  # Note [Steady steps far over]: ``c`` is known over
+                self._over[c] = min(self._recent)
+                why += f", every one of the last {self.window} at least twice that: searching below"
+                if c == 1:
+                    return self._settle(0, step, why)
+                return self._check(c - 1, step, why, bisect=True,
+                                   known_over={c: self._over[c]})
             return self._check(c, step, why)
+        self._num_waited = 0
         if self._num_steady % self.keep_every == 0 and self.can_keep(self._offloaded_bytes(c)):
             return 0
         return c
 
-    def _observe_up(self, seconds: float, timed: bool, step: int) -> int:
-        """Note [Looking up]: a run of steps at one block more than the settled boundary; its
-        timed step within that boundary's limit over the keep baseline starts a check of
-        ``[c, rule]``."""
+    def _far_over(self) -> bool:
+        """Note [Steady steps far over]: under a knee, every one of a full window of steady
+        steps more than twice the settled boundary's limit over the keep baseline."""
+        return (self.knee and len(self._recent) == self.window
+                and min(self._recent) > 2 * self._limit)
+
+    def _look_up_at(self) -> int:
+        """Note [Looking up]: the smallest boundary above the settled one (up to the rule's)
+        last measured clearly over its limit; else one block more."""
+        for n in range(self.candidate + 1, self.rule + 1):
+            low = self._over.get(n)
+            if low is None or low > self._search.limit(n) + 1e-9:
+                return n
+        return self.candidate + 1
+
+    def _observe_up(self, up: int, seconds: float, timed: bool, step: int) -> int:
+        """Note [Looking up]: a run of steps above the settled boundary; its timed step
+        within that boundary's limit over the keep baseline, and clearly below what it last
+        measured, starts a check of ``[c, rule]`` from the middle."""
         c = self.candidate
         if self._run_length < RUN:
-            return c + 1
+            return up
+        self._up_at = None
         if timed and self._baseline:
             baseline = _baseline_s(self._baseline)
             overhead = seconds / baseline - 1.0 if baseline > 0 else 0.0
-            if overhead <= self._search.limit(c + 1) + 1e-9:
-                why = (f"blocks [0, {c + 1}) ran {overhead:+.1%} over the keep baseline "
-                       f"{baseline * 1e3:.1f} ms, within what they may cost: more may hide now")
-                self._event(step, "suspect", c + 1, why)
-                return self._check(self.rule, step, why, known_within=c)
+            limit = self._search.limit(up)
+            low = self._over.get(up)
+            if overhead <= limit + 1e-9 and (low is None or overhead < low - limit / 2):
+                last = "" if low is None else f", last measured at least {low:+.1%}"
+                why = (f"blocks [0, {up}) ran {overhead:+.1%} over the keep baseline "
+                       f"{baseline * 1e3:.1f} ms{last}, within what they may cost: more may "
+                       "hide now")
+                self._event(step, "suspect", up, why)
+                self._over.pop(up, None)
+                return self._check(self.rule, step, why, known_within=c, bisect=True)
         return c
 
     def _recheck(self, step: int, why: str) -> None:
