@@ -1,0 +1,53 @@
+"""`SteadyWindow`: what the closed loop watches a settled boundary against.
+
+Note [Steady window]: a settled boundary is watched against the *keep baseline*: the second
+fastest of the last timed keep steps (other work only ever adds time: up to all but two
+disturbed keep steps leave it as it was, where their median followed three of five), else the
+fastest; not against its own accepted time. Each timed steady step is read as its overhead over
+that baseline, and the loop judges the median of the last ``window`` of them (Note [Closed
+loop]) or, under a knee, a full window far over (Note [Steady steps far over]). Tested in
+tests/cache/test_overhead_loop.py.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from tba.cache.policy.paired_ratios import median
+
+__all__ = ["SteadyWindow"]
+
+
+class SteadyWindow:
+    """The last ``num_keeps`` timed keep steps and the last ``window`` steady overheads.
+
+    Example:
+        >>> steady = SteadyWindow(window=3, num_keeps=5)
+        >>> for seconds in (1.0, 1.3, 1.01):  # one keep step disturbed
+        ...     steady.keep(seconds)
+        >>> steady.baseline_s(), round(steady.add(1.0201), 4)
+        (1.01, 0.01)
+    """
+
+    def __init__(self, *, window: int, num_keeps: int) -> None:
+        self.keeps: collections.deque[float] = collections.deque(maxlen=num_keeps)
+        self.recent: collections.deque[float] = collections.deque(maxlen=window)
+
+    def keep(self, seconds: float) -> None:
+        """A timed keep step."""
+        self.keeps.append(seconds)
+
+    def baseline_s(self) -> float:
+        """The keep baseline (Note [Steady window]); call only once a keep step was timed."""
+        ordered = sorted(self.keeps)
+        return ordered[1] if len(ordered) >= 3 else ordered[0]
+
+    def overhead(self, seconds: float) -> float:
+        """A step's overhead over the keep baseline."""
+        baseline = self.baseline_s()
+        return seconds / baseline - 1.0 if baseline > 0 else 0.0
+
+    def add(self, seconds: float) -> float:
+        """A timed steady step; returns the median overhead of the window."""
+        self.recent.append(self.overhead(seconds))
+        return median(self.recent)
