@@ -37,28 +37,17 @@ settles within that many steps after it starts (at the lower end when the budget
 ``probe_steps`` and ``settled_at_step`` report it, and the settle event and ``reason`` say
 what each end of the bracket rests on.
 
-*Steady*: the settled boundary is watched against the *keep baseline* (Note [Steady window],
-steady_window.py). A run of two keep steps every ``keep_every`` steady steps refreshes the baseline (when the
-memory for it is free: ``can_keep``). When the median of the last ``window`` steady steps (at
-least ``min_pairs``) is more than its limit above the baseline (``max_overhead``, or less
-where its saving is worth less), the boundary is checked again at once, from ``[0, n]`` down:
-from the next step on at most half the steps offload until the verdict, a boundary that went
-over the budget is measured over and backed off within ``window + 4 * max_pairs`` steps, and
-the check settles within ``max_probe_steps``. Every ``recheck_every`` steady steps conditions
-are checked again from a new profile (the rule, then a check): contention that went away is
-seen only by offloading again. The loop only reads step times: the cache's steps feed them
+*Steady*: the settled boundary is watched and checked again when it drifts (Note [Steady
+window], steady_window.py). The loop only reads step times: the cache's steps feed them
 (``observe``) and apply the boundary it returns. Tested with scripted step times in
 tests/cache/test_overhead_loop.py and, in the cache with a fake clock installed by
 ``tba.testing.drive_closed_loop``, tests/cache/test_closed_loop.py and (whole scripted
 worlds, ``tba.testing.ScriptedWorld``) tests/cache/test_scripted_worlds.py.
 
 Under a knee (``knee``: on CUDA, or ``tba.testing.GpuWorld``) the loop also looks up from a
-settled boundary (Note [Looking up]), takes steady steps far over for a known-over boundary
-(Note [Steady steps far over], both in look_up.py) and drops disturbed steps (Note [Disturbed
-steps], disturbed.py).
-
-Keep steps need memory (Note [Memory for keep steps], keep_memory.py); events are
-``LoopEvent``s (loop_event.py). ``max_step_overhead=None`` turns the loop off.
+settled boundary and takes steady steps far over for a known-over boundary (look_up.py), and
+drops disturbed steps (disturbed.py). Keep steps need memory (keep_memory.py); events are
+``LoopEvent``s. ``max_step_overhead=None`` turns the loop off.
 """
 
 from __future__ import annotations
@@ -149,9 +138,7 @@ class OverheadLoop:
             (), 0, max_overhead=max_overhead, min_saving_per_overhead=min_saving_per_overhead,
             confidence=confidence, pass_confidence=pass_confidence,
         )
-        # Transfers overlap compute (CUDA; Note [Predictions under a knee]): the cache sets it
-        # at each decision; also turns on Note [Disturbed steps].
-        self.knee = False
+        self.knee = False  # transfers overlap compute (CUDA): set by the cache (module docstring)
         self._limit = max_overhead  # the overhead the settled boundary may cost
         self._passed: dict[int, PairedOverhead] = {}
         self._keep: list[float] = []

@@ -1,12 +1,20 @@
 """`SteadyWindow`: what the closed loop watches a settled boundary against.
 
-Note [Steady window]: a settled boundary is watched against the *keep baseline*: the second
-fastest of the last timed keep steps (other work only ever adds time: up to all but two
-disturbed keep steps leave it as it was, where their median followed three of five), else the
-fastest; not against its own accepted time. Each timed steady step is read as its overhead over
-that baseline, and the loop judges the median of the last ``window`` of them (Note [Closed
-loop]) or, under a knee, a full window far over (Note [Steady steps far over]). Tested in
-tests/cache/test_overhead_loop.py.
+Note [Steady window]: the closed loop (Note [Closed loop]) watches a settled boundary against
+the *keep baseline*: the second fastest of the last timed keep steps (other work only ever adds
+time: up to all but two disturbed keep steps leave it as it was, where their median followed
+three of five), else the fastest; not against its own accepted time. A run of two keep steps
+every ``keep_every`` steady steps refreshes the baseline (when the memory for it is free:
+``can_keep``). Each timed steady step is read as its overhead over the baseline. When the
+median of the last ``window`` of them (at least ``min_pairs``) is more than the boundary's
+limit (``max_overhead``, or less where its saving is worth less), the boundary is checked
+again at once, from ``[0, n]`` down: from the next step on at most half the steps offload
+until the verdict, a boundary that went over the budget is measured over and backed off
+within ``window + 4 * max_pairs`` steps, and the check settles within ``max_probe_steps``
+(under a knee, a full window far over needs no measuring again: Note [Steady steps far
+over]). Every ``recheck_every`` steady steps conditions are checked again from a new profile
+(the rule, then a check): contention that went away is seen only by offloading again. Tested
+in tests/cache/test_overhead_loop.py.
 """
 
 from __future__ import annotations
