@@ -94,8 +94,8 @@ def test_pool_growth_changes_no_decision() -> None:
 
 @pytest.mark.parametrize(("bound", "new_bound"), [(8, 4), (3, 6)])
 def test_a_drift_is_followed_within_60_steps(bound: int, new_bound: int) -> None:
-    """The bound halves (steady steps over the limit: checked again) or doubles (a run one
-    block up hides: Note [Looking up]): back at the new bound or one below."""
+    """The bound halves (steady steps over the limit: checked again) or doubles (a run
+    above it hides: Note [Looking up]): back at the new bound or one below."""
     with GpuWorld.with_bound(bound, seed=0, **_OPTIONS) as world:
         assert _settled(world) in (bound - 1, bound)
         world.run(10)
