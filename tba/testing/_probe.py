@@ -21,7 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from tba.cache.observe.stats import CacheStats
-    from tba.cache.policy.closed_loop import LoopEvent
+    from tba.cache.policy.loop_event import LoopEvent
     from tba.cache.tensor_cache import TensorCache
 
 __all__ = ["probe", "CacheProbe", "EntryView", "RecordView", "ScopeView", "SaveView", "ForwardView"]

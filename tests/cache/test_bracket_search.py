@@ -146,8 +146,9 @@ def test_the_fitted_line_shrugs_off_disturbed_pairs() -> None:
 def test_the_examples_in_the_docstrings_run() -> None:
     import doctest
 
-    from tba.cache.policy import bracket_search, closed_loop, paired_ratios
+    from tba.cache.policy import (bracket_search, closed_loop, disturbed, look_up, paired_ratios,
+                                  steady_window)
 
-    for module in (bracket_search, closed_loop, paired_ratios):
+    for module in (bracket_search, closed_loop, disturbed, look_up, paired_ratios, steady_window):
         result = doctest.testmod(module, raise_on_error=False, verbose=False)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -94,8 +94,8 @@ def test_pool_growth_changes_no_decision() -> None:
 
 @pytest.mark.parametrize(("bound", "new_bound"), [(8, 4), (3, 6)])
 def test_a_drift_is_followed_within_60_steps(bound: int, new_bound: int) -> None:
-    """The bound halves (steady steps over the limit: checked again) or doubles (a run one
-    block up hides: Note [Looking up]): back at the new bound or one below."""
+    """The bound halves (steady steps over the limit: checked again) or doubles (a run
+    above it hides: Note [Looking up]): back at the new bound or one below."""
     with GpuWorld.with_bound(bound, seed=0, **_OPTIONS) as world:
         assert _settled(world) in (bound - 1, bound)
         world.run(10)
@@ -111,10 +111,9 @@ def test_a_drift_is_followed_within_60_steps(bound: int, new_bound: int) -> None
 
 @pytest.mark.slow
 def test_sweep_over_every_bound() -> None:
-    """110 worlds (bounds 1-11, ten seeds): >= 97% settle at the bound or one below within 60
-    measured steps, at most 1% above. The issue's acceptance asks 98%; the sweep measured
-    97.3% (107 of 110, docs/policy.md): the gap is open, and this test holds what was
-    reached."""
+    """110 worlds (bounds 1-11, ten seeds): >= 98% settle at the bound or one below within 60
+    measured steps, at most 1% above (the issue's acceptance; the sweep measured 110 of 110
+    and none above, docs/policy.md)."""
     ok = above = 0
     for bound in range(1, 12):
         for seed in range(10):
@@ -122,7 +121,7 @@ def test_sweep_over_every_bound() -> None:
                 at = _settled(world)
                 ok += at is not None and bound - 1 <= at <= bound
                 above += at is not None and at > bound
-    assert ok >= 0.97 * 110 and above <= 1
+    assert ok >= 0.98 * 110 and above <= 1
 
 
 def test_the_examples_in_the_docstrings_run() -> None:

@@ -55,19 +55,41 @@ hid. Under a knee (``knee``, the loop's ``knee``: on CUDA, or ``tba.testing.GpuW
 boundary is predicted over only from the line through the lower bounds of the two nearest
 measured boundaries above it, extended down (a convex cost lies above its secants outside
 them: a lower bound), and the next boundary measured is the largest one within its limit on
-the line through two boundaries measured over (past the knee that line is the cost), else the
-bracket's middle (or the keep line's choice when larger: exact on linear costs). Measuring the
-top, the middle and the knee's boundary settles in about 40 steps (benchmarks/gpu_worlds.py).
+the line through two boundaries measured over (past the knee that line is the cost); with only
+the top measured over and nothing passed, the boundary below the top (the line's second point),
+else the bracket's middle (or the keep line's choice when larger: exact on linear costs). Past
+a convex knee the line through two points above extended down lies below the cost: its choice
+is the knee's boundary or above it, and a second line through what it measured comes down to
+it. Top, top - 1 and the knee's boundary settle in about 36 steps (benchmarks/gpu_worlds.py;
+bisecting the bracket first, 3 of 110 H100-like runs, all at bound 9, ran out of their 60
+steps).
 
-Tested in tests/cache/test_bracket_search.py, tests/cache/test_overhead_loop.py and, on
-scripted worlds (``tba.testing.ScriptedWorld``), tests/cache/test_scripted_worlds.py.
+Note [Worth it past a knee]: under a knee the overhead of a boundary past it is what its blocks
+past the knee cost, and the worth-it rule averaged over all its blocks lets the blocks that
+hide pay for them: one block past the knee of twelve at +1.9% (2% budget) saves 92% and is
+"worth" up to 18%, for a last block that saves 8.3% of the bytes. Under a knee a boundary's
+limit is also at most what its last block alone is worth (its bytes over all the blocks'
+offloadable bytes, over ``min_saving_per_overhead``: 1.7% for one of twelve): the cost past
+the knee has to be worth at least its last block, the one that made it cost. Without it the
+H100-like world with 10 of 12 blocks hidden took 11 blocks in and out (benchmarks/gpu_worlds.py).
+
+Note [Passes under a knee]: pairs of a boundary past the knee, scaled to the bytes of one
+below it, read what the hidden boundary does not cost (a +50% past the knee, scaled, held a
+boundary measured at +0.6% back at "at most +36%"). Under a knee a boundary below ``top``
+passes on its own pairs alone, their upper bound at ``confidence`` (three pairs, their
+largest; ``top`` still needs ``pass_confidence``): one pair (four steps) less per pass. A
+boundary one block past the knee (+1.9% to +2.9% of the step in the H100-like worlds, against
+1.7%) rarely reads all three pairs within: none of the sweep's 110 runs settled above the bound.
+
+Tested in tests/cache/test_bracket_search.py, tests/cache/test_overhead_loop.py,
+tests/cache/test_knee_loop.py (under a knee) and, on scripted worlds (``tba.testing.ScriptedWorld``), tests/cache/test_scripted_worlds.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from tba.cache.policy.paired_ratios import PairedOverhead, judge, median, median_bounds
@@ -140,6 +162,9 @@ class BracketSearch:
         knee: transfers overlap compute (CUDA): costs are 0 up to a knee, then close to
             linear; predictions and the next boundary follow Note [Predictions under a knee].
         known_within: a boundary known within before the check (steady steps showed it).
+        known_over: boundaries above ``top`` known over before the check, with a lower bound
+            on their overhead (steady steps showed it): under a knee they join the secants
+            that predict over (Note [Steady steps far over]).
 
     Example:
         >>> search = BracketSearch([10] * 12, 11, max_overhead=0.05, min_saving_per_overhead=5,
@@ -161,9 +186,11 @@ class BracketSearch:
         pass_confidence: float,
         knee: bool = False,
         known_within: int = 0,
+        known_over: Mapping[int, float] | None = None,
     ) -> None:
         self.max_overhead = max_overhead
         self.knee = knee  # Note [Predictions under a knee]
+        self._under_knee = knee  # Note [Worth it past a knee], Note [Passes under a knee]
         self.min_saving_per_overhead = min_saving_per_overhead
         self.confidence = confidence
         self.pass_confidence = pass_confidence
@@ -178,6 +205,7 @@ class BracketSearch:
         self.hi = top + 1  # the smallest boundary known over (top + 1: none)
         self.hi_reason = ""
         self.verdicts: dict[int, Verdict] = {}  # measured boundaries, concluded
+        self._known_low = {n: low for n, low in (known_over or {}).items() if n > top}
         self._ratios: dict[int, list[float]] = {}
 
     # ------------------------------------------------------------------ measuring
@@ -221,6 +249,8 @@ class BracketSearch:
         """The upper bound a pass of ``n`` needs (Note [Bracket search]), and the larger
         boundaries whose pairs it rests on (none: ``n``'s own pairs at ``pass_confidence``)."""
         own = self._ratios[n]
+        if self._under_knee and n < self.top:  # Note [Passes under a knee]
+            return median_bounds(own, self.confidence)[1], ()
         alone = median_bounds(own, self.pass_confidence)[1]
         larger = tuple(sorted(b for b in self._ratios if b > n and self.saved(b) > 0))
         if larger:
@@ -231,8 +261,12 @@ class BracketSearch:
 
     def limit(self, n: int) -> float:
         """The most overhead boundary ``n`` may cost: the budget, or less when its saving is
-        worth no more (the worth-it factor)."""
-        return min(self.max_overhead, self.saved(n) / self.min_saving_per_overhead)
+        worth no more (the worth-it factor); under a knee, no more than its last block alone
+        is worth (Note [Worth it past a knee])."""
+        worth = self.saved(n)
+        if self._under_knee and n > 0:
+            worth = min(worth, self.saved(n) - self.saved(n - 1))
+        return min(self.max_overhead, worth / self.min_saving_per_overhead)
 
     def conclude(self, verdict: Verdict) -> None:
         """Record a final verdict and place the bracket's ends again: ``hi`` is the smallest
@@ -283,11 +317,12 @@ class BracketSearch:
     def _secant_above(self, j: int) -> tuple[tuple[float, float], tuple[float, float]] | None:
         """(saved, lower bound) of the two nearest measured boundaries above ``j``, when their
         lower bounds rise with the bytes; else None."""
-        above = sorted(b for b in self.verdicts if b > j)[:2]
+        lows = {**self._known_low, **{b: v.measured.low for b, v in self.verdicts.items()}}
+        above = sorted(b for b in lows if b > j)[:2]
         if len(above) < 2:
             return None
         a, b = above
-        la, lb = self.verdicts[a].measured.low, self.verdicts[b].measured.low
+        la, lb = lows[a], lows[b]
         xa, xb = self.saved(a), self.saved(b)
         if not (xb > xa and lb > la):
             return None
@@ -320,6 +355,8 @@ class BracketSearch:
                 return self.lo + 1
         if self.lo > 0:
             return middle
+        if len(over) == 1 and over[0] == self.hi and self.hi - 1 > self.lo:
+            return self.hi - 1  # Note [Predictions under a knee]: a second point for the line
         self.knee = False
         try:
             return max(self.next_candidate(), middle)

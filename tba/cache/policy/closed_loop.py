@@ -37,64 +37,37 @@ settles within that many steps after it starts (at the lower end when the budget
 ``probe_steps`` and ``settled_at_step`` report it, and the settle event and ``reason`` say
 what each end of the bracket rests on.
 
-*Steady*: the settled boundary is watched against the *keep baseline* (the second fastest of
-the last timed keep steps: other work only adds time), not against its own accepted time. A
-run of two keep steps every ``keep_every`` steady steps refreshes the baseline (when the
-memory for it is free: ``can_keep``). When the median of the last ``window`` steady steps (at
-least ``min_pairs``) is more than its limit above the baseline (``max_overhead``, or less
-where its saving is worth less), the boundary is checked again at once, from ``[0, n]`` down:
-from the next step on at most half the steps offload until the verdict, a boundary that went
-over the budget is measured over and backed off within ``window + 4 * max_pairs`` steps, and
-the check settles within ``max_probe_steps``. Every ``recheck_every`` steady steps conditions
-are checked again from a new profile (the rule, then a check): contention that went away is
-seen only by offloading again. The loop only reads step times: the cache's steps feed them
+*Steady*: the settled boundary is watched and checked again when it drifts (Note [Steady
+window], steady_window.py). The loop only reads step times: the cache's steps feed them
 (``observe``) and apply the boundary it returns. Tested with scripted step times in
 tests/cache/test_overhead_loop.py and, in the cache with a fake clock installed by
 ``tba.testing.drive_closed_loop``, tests/cache/test_closed_loop.py and (whole scripted
 worlds, ``tba.testing.ScriptedWorld``) tests/cache/test_scripted_worlds.py.
 
-Note [Looking up] (with ``knee``): below a knee, steps at the settled boundary cost nothing
-more when the link gets faster, so steady steps cannot show that more blocks would hide now
-(a link doubling its bandwidth doubles the bound). Every ``keep_every`` steady steps, halfway
-between the keep runs, a run of ``RUN`` steps offloads one block more (up to the rule's
-boundary); when its timed step is within that boundary's limit over the keep baseline, a
-check of ``[c, rule]`` starts at once (``c`` known within). Past the knee such a run costs
-about half a block's exposed transfer twice in ``keep_every`` steps.
-
-Note [Disturbed steps] (with ``knee``: transfers that overlap compute): a step slowed by other work (an outlier: on the H100 and in the
-acceptance's worlds 5% of steps, 10-40% slower) lands in a pair, and a pass needs an upper
-bound on the median that, with five pairs, is their largest ratio: one disturbed offload step
-held a boundary that hides its transfers back (counted over, the check settled four blocks
-below the bound). A timed step more than ``CLOSED_LOOP_DISTURBED`` (5%) slower than the
-fastest of at least two of its kind in the same measurement (keep steps, or offload steps at
-the candidate: other work only adds time, and the kind's own noise is far smaller) is taken
-for disturbed and not a sample; the run goes on and measures another pair, at most
-``CLOSED_LOOP_MAX_DISTURBED`` (2) times per boundary measured (a machine that is slow for
-good is measured as it is). The steps still count in ``probe_steps``.
-
-A keep step holds every activation of the step in memory, which offloading was meant to avoid:
-the cache starts the loop only when the memory free at the decision covers what the rule's
-boundary would have offloaded (``free_memory_bytes``, with a margin); otherwise the rule's
-boundary stands and the decision says why. ``max_step_overhead=None`` turns the loop off.
+Under a knee (``knee``: on CUDA, or ``tba.testing.GpuWorld``) the loop also looks up from a
+settled boundary and takes steady steps far over for a known-over boundary (look_up.py), and
+drops disturbed steps (disturbed.py). Keep steps need memory (keep_memory.py); events are
+``LoopEvent``s. ``max_step_overhead=None`` turns the loop off.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from tba.cache.policy.bracket_search import BracketSearch, Verdict
-from tba.cache.policy.paired_ratios import PairedOverhead, median
+from tba.cache.policy.disturbed import drop_disturbed
+from tba.cache.policy.look_up import LookUp
+from tba.cache.policy.loop_event import LoopEvent
+from tba.cache.policy.paired_ratios import PairedOverhead
+from tba.cache.policy.steady_window import SteadyWindow
 from tba.settings import CLOSED_LOOP_BASELINE_KEEPS as BASELINE_KEEPS
 from tba.settings import CLOSED_LOOP_CONFIDENCE as CONFIDENCE
-from tba.settings import CLOSED_LOOP_DISTURBED as DISTURBED
 from tba.settings import CLOSED_LOOP_DRIFT_WINDOW as DRIFT_WINDOW
 from tba.settings import CLOSED_LOOP_MAX_DISTURBED as MAX_DISTURBED
 from tba.settings import CLOSED_LOOP_KEEP_EVERY as KEEP_EVERY
-from tba.settings import CLOSED_LOOP_KEEP_MARGIN as KEEP_MARGIN
 from tba.settings import CLOSED_LOOP_MAX_PAIRS as MAX_PAIRS
 from tba.settings import CLOSED_LOOP_MAX_PROBE_STEPS as MAX_PROBE_STEPS
 from tba.settings import CLOSED_LOOP_MIN_PAIRS as MIN_PAIRS
@@ -103,50 +76,9 @@ from tba.settings import CLOSED_LOOP_PASS_CONFIDENCE as PASS_CONFIDENCE
 from tba.settings import CLOSED_LOOP_RECHECK_EVERY_STEPS as RECHECK_EVERY_STEPS
 from tba.settings import CLOSED_LOOP_RUN as RUN
 
-__all__ = ["OverheadLoop", "LoopEvent", "free_memory_bytes", "KEEP_MARGIN", "MAX_PROBE_STEPS"]
+__all__ = ["OverheadLoop", "MAX_PROBE_STEPS"]
 
 logger = logging.getLogger(__name__)
-
-
-
-def free_memory_bytes(cuda: bool) -> int:
-    """Memory a keep step could still use: on CUDA what the driver has free plus what torch's
-    caching allocator holds unused; on CPU the memory the OS reports available."""
-    if cuda:
-        import torch
-
-        free, _ = torch.cuda.mem_get_info()
-        return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    import psutil  # not at module level: ``import tba`` loads no native library
-
-    return int(psutil.virtual_memory().available)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopEvent:
-    """A decision of the loop, for logs and timelines.
-
-    Attributes:
-        step: the step whose time led to it (None when the feeder gave no step numbers).
-        kind: ``"measure"`` (start measuring ``tail_start``), ``"pass"`` / ``"fail"`` (its
-            verdict), ``"settle"`` (the check ends at ``tail_start``), ``"suspect"`` (steady
-            steps look over budget: check again), ``"recheck"`` (a new profile is due).
-        tail_start: the boundary concerned.
-        text: one line saying why.
-    """
-
-    step: int | None
-    kind: str
-    tail_start: int
-    text: str
-
-
-def _baseline_s(keep_s: Sequence[float]) -> float:
-    """The keep baseline from the last timed keep steps: the second fastest of three or more
-    (other work only ever adds time: up to all but two disturbed keep steps leave it as it
-    was, where their median followed three of five), else the fastest."""
-    ordered = sorted(keep_s)
-    return ordered[1] if len(ordered) >= 3 else ordered[0]
 
 
 class OverheadLoop:
@@ -206,28 +138,27 @@ class OverheadLoop:
             (), 0, max_overhead=max_overhead, min_saving_per_overhead=min_saving_per_overhead,
             confidence=confidence, pass_confidence=pass_confidence,
         )
-        # Transfers overlap compute (CUDA; Note [Predictions under a knee]): the cache sets it
-        # at each decision; also turns on Note [Disturbed steps].
-        self.knee = False
+        self.knee = False  # transfers overlap compute (CUDA): set by the cache (module docstring)
         self._limit = max_overhead  # the overhead the settled boundary may cost
         self._passed: dict[int, PairedOverhead] = {}
         self._keep: list[float] = []
         self._offload: list[float] = []
         self._num_judged = 0
         self._num_disturbed = 0
-        self._baseline: collections.deque[float] = collections.deque(maxlen=BASELINE_KEEPS)
-        self._recent: collections.deque[float] = collections.deque(maxlen=window)
+        self._steady = SteadyWindow(window=window, num_keeps=BASELINE_KEEPS)
         self._num_steady = 0
         self._num_observed = 0
         self._run_at: int | None = None  # the boundary of the running run of steps ...
         self._run_length = 0  # ... and how many steps it has
+        self._up = LookUp()  # Note [Looking up]
+        self._num_waited = 0  # steady steps waited for a full window far over
 
     # ------------------------------------------------------------------ feeding
     def start(self, rule: int, block_bytes: Sequence[int], *, step: int | None = None) -> int:
         """The rule allows blocks ``[0, rule)``: check it; returns the next step's boundary."""
         self.rule = rule
         self._block_bytes = tuple(block_bytes)
-        self._baseline.clear()
+        self._steady.keeps.clear()
         self._run_at = None  # the profiled step before this was not observed
         self.last = self.last_tail_start = None
         if rule == 0:
@@ -267,7 +198,7 @@ class OverheadLoop:
     def keep_baseline_s(self) -> tuple[float, ...]:
         """The timed keep steps the keep baseline is taken from (the second fastest), oldest
         first."""
-        return tuple(self._baseline)
+        return tuple(self._steady.keeps)
 
     def decision_fields(self) -> dict[str, Any]:
         """What the cache's ``BoundaryDecision`` shows of the loop."""
@@ -282,17 +213,21 @@ class OverheadLoop:
         )
 
     # ------------------------------------------------------------------ a check
-    def _check(self, top: int, step: int | None, why: str, known_within: int = 0) -> int:
-        """Search ``[known_within, top]``, ``top`` first (Note [Bracket search])."""
+    def _check(self, top: int, step: int | None, why: str, known_within: int = 0, *,
+               bisect: bool = False, known_over: dict[int, float] | None = None) -> int:
+        """Search ``[known_within, top]``, ``top`` first, or with ``bisect`` the boundary the
+        search picks from nothing measured (under a knee: the middle; Note [Looking up])."""
         self._search = BracketSearch(
             self._block_bytes, top, max_overhead=self.max_overhead,
             min_saving_per_overhead=self.min_saving_per_overhead, confidence=self.confidence,
             pass_confidence=self.pass_confidence, knee=self.knee, known_within=known_within,
+            known_over=known_over,
         )
         self._passed = {}
         self.probe_steps = 0
         self.settled_at_step = None
-        return self._probe(top, step, why)
+        first = self._search.next_candidate() if bisect and not self._search.done else top
+        return self._probe(first, step, why)
 
     def _probe(self, candidate: int, step: int | None, why: str) -> int:
         self._keep, self._offload, self._num_judged = [], [], 0
@@ -317,14 +252,16 @@ class OverheadLoop:
         if ran_at not in (0, c):  # a step started before the boundary changed (CUDA times)
             return 0
         self.probe_steps += 1
-        if timed and self.knee and self._disturbed(self._keep if ran_at == 0 else self._offload, seconds):
-            timed = False  # Note [Disturbed steps]: measure another pair instead
         if timed and ran_at == 0:
             self._keep.append(seconds)
-            self._baseline.append(seconds)
+            self._steady.keep(seconds)
         elif timed:
             self._offload.append(seconds)
+        if timed and self.knee:  # Note [Disturbed steps]: measure another pair instead
+            self._num_disturbed += drop_disturbed(self._keep if ran_at == 0 else self._offload,
+                                                  MAX_DISTURBED - self._num_disturbed)
         num_pairs = min(len(self._keep), len(self._offload))
+        self._num_judged = min(self._num_judged, num_pairs)
         if num_pairs > self._num_judged and num_pairs >= self.min_pairs:
             self._num_judged = num_pairs
             budget_left = self.max_probe_steps - self.probe_steps
@@ -334,17 +271,6 @@ class OverheadLoop:
             if verdict is not None:
                 return self._conclude(verdict, step)
         return self._next_in_probe(ran_at)
-
-    def _disturbed(self, same: Sequence[float], seconds: float) -> bool:
-        """Note [Disturbed steps]: a timed step more than ``DISTURBED`` slower than the
-        fastest of at least two of its kind (keep, or offload at the candidate) in this
-        measurement is no sample, at most ``MAX_DISTURBED`` times per boundary measured."""
-        if len(same) < 2 or self._num_disturbed >= MAX_DISTURBED:
-            return False
-        if seconds <= (1.0 + DISTURBED) * min(same):
-            return False
-        self._num_disturbed += 1
-        return True
 
     def _conclude(self, verdict: Verdict, step: int) -> int:
         c, search = self.candidate, self._search
@@ -356,9 +282,13 @@ class OverheadLoop:
         logger.info("tba adaptive: %s", measured)
         if passed:
             self._passed[c] = result
+        self._up.record(c, None if passed else result.low)
         search.conclude(verdict)
         bracket = search.describe()
         if search.done:
+            low = search.predicted_low(search.hi) if search.hi not in search.verdicts else None
+            if low is not None and search.hi <= search.top:
+                self._up.record(search.hi, low)  # Note [Looking up]: predicted over
             return self._settle(search.lo, step, f"{measured}; {bracket}")
         if self.max_probe_steps - self.probe_steps < 2 * RUN * self.min_pairs:
             return self._settle(search.lo, step, f"{measured}; {bracket}; measuring budget spent")
@@ -370,7 +300,8 @@ class OverheadLoop:
         self._limit = self._search.limit(n)  # what the steady steps are held to
         self.settled_at_step = step
         self._num_steady = 0
-        self._recent.clear()
+        self._steady.recent.clear()
+        self._num_waited = 0
         accepted = self._passed.get(n)
         if n == 0:
             outcome = "keep every block"
@@ -390,25 +321,30 @@ class OverheadLoop:
         c = self.candidate
         if ran_at == 0 and c > 0:  # a run of keep steps: the baseline
             if timed:
-                self._baseline.append(seconds)
+                self._steady.keep(seconds)
             return 0 if self._run_length < RUN else c
-        if ran_at == c + 1 and self.knee:  # Note [Looking up]
-            return self._observe_up(seconds, timed, step)
+        if ran_at == self._up.at and self.knee:  # Note [Looking up]
+            return self._observe_up(ran_at, seconds, timed, step)
         if ran_at != c:
             return c
         self._num_steady += 1
-        if (self.knee and c < self.rule and self._baseline
+        if (self.knee and c < self.rule and self._steady.keeps
                 and self._num_steady % self.keep_every == self.keep_every // 2):
-            return c + 1
+            self._up.at = self._up.target(c, self.rule, self._search.limit)
+            return self._up.at
         if self.rule and self._num_steady >= self.recheck_every:
             self._recheck(step, f"periodic re-check after {self._num_steady} steps")
             return None
-        if c == 0 or not self._baseline or not timed:
+        if c == 0 or not self._steady.keeps or not timed:
             return c
-        baseline = _baseline_s(self._baseline)
-        self._recent.append(seconds / baseline - 1.0 if baseline > 0 else 0.0)
-        drift = median(self._recent)
-        if len(self._recent) >= self.min_pairs and drift > self._limit + 1e-9:
+        drift, recent = self._steady.add(seconds), self._steady.recent
+        baseline = self._steady.baseline_s()
+        far = self.knee and LookUp.far_over(recent, self.window, self._limit)
+        if len(recent) >= self.min_pairs and drift > self._limit + 1e-9:
+            if (self.knee and drift > 2 * self._limit and not far
+                    and self._num_waited < self.window):
+                self._num_waited += 1  # Note [Steady steps far over]: wait for a full window
+                return c
             why = (f"steady steps: median {drift:+.1%} over the keep baseline "
                    f"{baseline * 1e3:.1f} ms, more than the {self._limit:.1%} blocks [0, {c}) "
                    "may cost")
@@ -416,32 +352,41 @@ class OverheadLoop:
                 self._recheck(step, f"{why}, and no memory is free for keep steps")
                 return None
             self._event(step, "suspect", c, why)
+            if far:  # Note [Steady steps far over]: ``c`` is known over
+                self._up.record(c, min(recent))
+                why += f", every one of the last {self.window} at least twice that: searching below"
+                if c == 1:
+                    return self._settle(0, step, why)
+                return self._check(c - 1, step, why, bisect=True,
+                                   known_over={c: min(recent)})
             return self._check(c, step, why)
+        self._num_waited = 0
         if self._num_steady % self.keep_every == 0 and self.can_keep(self._offloaded_bytes(c)):
             return 0
         return c
 
-    def _observe_up(self, seconds: float, timed: bool, step: int) -> int:
-        """Note [Looking up]: a run of steps at one block more than the settled boundary; its
-        timed step within that boundary's limit over the keep baseline starts a check of
-        ``[c, rule]``."""
-        c = self.candidate
+    def _observe_up(self, up: int, seconds: float, timed: bool, step: int) -> int:
+        """Note [Looking up]: a run of steps above the settled boundary; when it shows that
+        more may hide now, a check of ``[c, rule]`` from the middle."""
         if self._run_length < RUN:
-            return c + 1
-        if timed and self._baseline:
-            baseline = _baseline_s(self._baseline)
-            overhead = seconds / baseline - 1.0 if baseline > 0 else 0.0
-            if overhead <= self._search.limit(c + 1) + 1e-9:
-                why = (f"blocks [0, {c + 1}) ran {overhead:+.1%} over the keep baseline "
-                       f"{baseline * 1e3:.1f} ms, within what they may cost: more may hide now")
-                self._event(step, "suspect", c + 1, why)
-                return self._check(self.rule, step, why, known_within=c)
-        return c
+            return up
+        self._up.at = None
+        if timed and self._steady.keeps:
+            baseline, overhead = self._steady.baseline_s(), self._steady.overhead(seconds)
+            last = self._up.moves_up(up, overhead, self._search.limit(up))
+            if last is not None:
+                why = (f"blocks [0, {up}) ran {overhead:+.1%} over the keep baseline "
+                       f"{baseline * 1e3:.1f} ms{last}, within what they may cost: more may "
+                       "hide now")
+                self._event(step, "suspect", up, why)
+                return self._check(self.rule, step, why, known_within=self.candidate,
+                                   bisect=True)
+        return self.candidate
 
     def _recheck(self, step: int, why: str) -> None:
         self.probing = False
         self._num_steady = 0
-        self._recent.clear()
+        self._steady.recent.clear()
         self.reason = f"checking again: {why}"
         self._event(step, "recheck", self.candidate, why)
         logger.info("tba adaptive: %s", self.reason)

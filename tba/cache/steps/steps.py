@@ -15,7 +15,8 @@ import torch
 from tba.cache.observe.clock import StepClock, default_clock
 from tba.cache.observe.stats import CacheStats, format_bytes
 from tba.cache.policy.boundary import Boundary, BoundaryDecision
-from tba.cache.policy.closed_loop import KEEP_MARGIN, OverheadLoop, free_memory_bytes
+from tba.cache.policy.closed_loop import OverheadLoop
+from tba.cache.policy.keep_memory import KEEP_MARGIN, free_memory_bytes
 from tba.cache.policy.profile import StepProfile
 from tba.config import TensorCacheConfig
 from tba.offloaders.base import Offloader
