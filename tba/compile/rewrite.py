@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tba.compile import ops
+from tba.compile import lowering, ops
 from tba.compile.plan import StoreGroup
 
 __all__ = ["Swap", "rewrite_forward", "rewrite_backward"]
@@ -117,35 +117,56 @@ def rewrite_forward(fw: fx.GraphModule, groups: list[StoreGroup], num_fwd_output
     return swaps
 
 
-def _allocates(node: fx.Node) -> bool:
-    """Whether ``node``'s output is a tensor of its own (not a view of an input): what an
-    anchor must be, since a custom op's output may not alias its inputs."""
+# Note [Anchors Inductor realizes anyway]: an anchor is an input of a tba op, and Inductor
+# realizes (writes to memory) every input of an extern kernel. An anchor that Inductor would
+# have fused into its consumers (a pointwise or reduction output) is then computed by a kernel
+# of its own, which splits the fusion it was part of (seen on torch 2.13 CPU: a prefetch
+# anchored on the loss gradient's ``div`` split the kernel that computes it into two). So
+# anchors are outputs of the ops Inductor runs as extern kernels on every device (matrix
+# products, convolutions, attention), whose outputs are in memory whatever tba does; a reload
+# with no such node before its first use takes no anchor. Tested by
+# tests/compile/test_kernel_identity.py.
+_EXTERN = frozenset(getattr(torch.ops.aten, name) for name in (
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+) if hasattr(torch.ops.aten, name))
+
+
+def _anchor(node: fx.Node) -> bool:
+    """Whether ``node`` may anchor a tba op (Note [Anchors Inductor realizes anyway]): a tensor
+    of its own (a custom op's output may not alias its inputs) that Inductor keeps in memory."""
     if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
         return False
     target = node.target
     if target is operator.getitem:
         parent = node.args[0]
-        return isinstance(parent, fx.Node) and _fresh_outputs(parent.target)
-    return _fresh_outputs(target)
+        return isinstance(parent, fx.Node) and _extern(parent.target)
+    return _extern(target)
 
 
-def _fresh_outputs(target: Any) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or target in ops.OPS:
-        return False
-    return all(ret.alias_info is None for ret in target._schema.returns)
+def _extern(target: Any) -> bool:
+    return (isinstance(target, torch._ops.OpOverload) and target.overloadpacket in _EXTERN
+            and all(ret.alias_info is None for ret in target._schema.returns))
 
 
-def rewrite_backward(bw: fx.GraphModule, swaps: list[Swap], prefetch_modules: int) -> None:
+def rewrite_backward(bw: fx.GraphModule, swaps: list[Swap], prefetch_modules: int,
+                     reusable: frozenset[str] = frozenset()) -> None:
     """Replace the members' placeholders by keys, carriers and reloads, and add the
-    prefetches (Note [Placing stores, prefetches and reloads])."""
+    prefetches (Note [Placing stores, prefetches and reloads]). The reload of a member named
+    in ``reusable``, alone in its group, is marked so Inductor may reuse its output (Note
+    [Stored buffers are not reused] in lowering.py)."""
     graph = bw.graph
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    anchors: list[fx.Node | None] = []  # anchors[i]: the last allocating node before nodes[i]
+    anchors: list[fx.Node | None] = []  # anchors[i]: the last anchor node before nodes[i]
     latest: fx.Node | None = None
     for node in nodes:
         anchors.append(latest)
-        if _allocates(node):
+        if _anchor(node):
             latest = node
     placeholders = {node.name: node for node in graph.find_nodes(op="placeholder")}
     # (swap, member index, placeholder, first user or None)
@@ -171,6 +192,8 @@ def rewrite_backward(bw: fx.GraphModule, swaps: list[Swap], prefetch_modules: in
                     anchors[position[first]])
             with graph.inserting_before(first):
                 reload = _call(graph, ops.RELOAD, args, f"tba_reload_{placeholder.name}", value)
+            if len(swap.group.members) == 1 and placeholder.name in reusable:
+                reload.meta[lowering.REUSABLE] = True
             placeholder.replace_all_uses_with(reload)
         graph.erase_node(placeholder)
     graph.lint()

@@ -1,17 +1,24 @@
 """Kernel identity, the goal of backend="tba" under Inductor: the kernels Inductor generates with
 ``backend="inductor"``, tba's ops aside, which is what would carry bit-exactness to devices CI
-cannot run. Not reached (the test says so, strictly): the rewritten graphs are compiled without
-buffer reuse and in-place buffers (Note [Stored buffers are not reused] in
-tba/compile/compiler.py), and tba's stores, reloads and prefetches are extern kernels whose
-ordering (store chain, reload and prefetch anchors) changes where Inductor fuses. Measured on
-torch 2.13 CPU, one training step, backend="inductor" vs "tba": GPT-2 3 x 32 forward 15 vs 19
-kernels, backward 9 vs 21; FusedAttention 7 vs 8 and 13 vs 11; even with reuse on (and the
-stored buffers held to the graph's end) both stay apart."""
+cannot run. Reached for FusedAttention's forward graph (Inductor's buffer reuse and in-place
+buffers on, the buffers the stores take kept out of reuse: Note [Stored buffers are not reused]
+in tba/compile/lowering.py). Not yet reached, and marked strictly (torch 2.13 CPU, one training
+step, kernels of backend="inductor" missing / new under "tba"):
+- FusedAttention backward, 10 of 13 missing, 7 new. Inductor's peak-memory reordering
+  (``reorder_for_peak_memory``) counts a reload's output as memory allocated where plain
+  Inductor's saved tensor was an input already in memory, picks another order and so other
+  fusions; with that reordering off in both, 1 kernel differs.
+- GPT-2 forward, 4 of 15 missing, 9 new: the clone of ``v`` is no longer fused with the softmax
+  that the stores now separate from it, and the loss kernel is split.
+- GPT-2 backward, 6 of 9 missing, 9 new.
+Also: anchors of tba's ops are outputs Inductor keeps in memory anyway (Note [Anchors Inductor
+realizes anyway] in tba/compile/rewrite.py)."""
 
 from __future__ import annotations
 
 import collections
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -67,21 +74,30 @@ def _step_code(model_name: str, backend: str) -> list[str]:
     return list(codes)
 
 
-def _step_kernels(model_name: str, backend: str) -> collections.Counter[tuple[str, str]]:
-    found = collections.Counter(kernel for code in _step_code(model_name, backend)
-                                for kernel in kernels(code))
+def _graph_kernels(model_name: str, backend: str,
+                   graph: int) -> collections.Counter[tuple[str, str]]:
+    found = collections.Counter(kernels(_step_code(model_name, backend)[graph]))
     assert found, "no C++ kernel found in Inductor's output code"
     return found
 
 
+def _not_yet(reason: str) -> Any:
+    return pytest.mark.xfail(strict=True, reason=f"{reason} (module docstring)")
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="tba's ops change where Inductor fuses (module docstring)")
-@pytest.mark.parametrize("model_name", ["gpt2", "fused_attention"])
-def test_tba_keeps_inductors_kernels(model_name: str) -> None:
+@pytest.mark.parametrize(("model_name", "graph"), [
+    ("fused_attention", 0),
+    pytest.param("fused_attention", 1, marks=_not_yet("peak-memory reordering of reloads")),
+    pytest.param("gpt2", 0, marks=_not_yet("stores separate a horizontal fusion")),
+    pytest.param("gpt2", 1, marks=_not_yet("peak-memory reordering of reloads")),
+], ids=["fused_attention-forward", "fused_attention-backward", "gpt2-forward", "gpt2-backward"])
+def test_tba_keeps_inductors_kernels(model_name: str, graph: int) -> None:
     """GPT-2 (tied embedding and head) and a model whose saved q, k^T and v view one storage:
-    one training step's kernels, forward and backward, as a multiset."""
-    reference = _step_kernels(model_name, "inductor")
-    found = _step_kernels(model_name, "tba")
+    one training step's kernels of the forward (``graph`` 0) or backward (1) graph, as a
+    multiset."""
+    reference = _graph_kernels(model_name, "inductor", graph)
+    found = _graph_kernels(model_name, "tba", graph)
     missing, extra = reference - found, found - reference
     assert not missing and not extra, (
         f"backend='tba' changed Inductor's kernels: {sum(missing.values())} of "
