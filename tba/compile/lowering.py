@@ -81,7 +81,7 @@ def _free_held_buffers() -> None:
         if buffer.get_name() in getattr(V.graph, _HELD, ()):
             self.writeline(wrapper.FreeLine(self, buffer))
             return
-        codegen_free(self, buffer)
+        codegen_free(self, buffer)  # type: ignore[no-untyped-call]  # Inductor's, untyped
 
     wrapper.PythonWrapperCodegen.codegen_free = free  # type: ignore[method-assign]
 
@@ -140,10 +140,11 @@ def reusable_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int)
     AOTAutograd would donate, and that share their storage with no other saved value."""
     import torch
     from torch._functorch._aot_autograd import graph_compile
+    from torch._functorch._aot_autograd.utils import contain_metadata_mutation_ops
     from torch.multiprocessing.reductions import StorageWeakRef
 
     if not torch._functorch.config.donated_buffer or any(
-            graph_compile.contain_metadata_mutation_ops(g) for g in (fw, bw)):
+            contain_metadata_mutation_ops(g) for g in (fw, bw)):
         return frozenset()
     outputs = list(fw.graph.find_nodes(op="output")[0].args[0])
     saved = [n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)]
@@ -161,4 +162,4 @@ def reusable_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int)
             storages[ref] = storages.get(ref, 0) + 1
     return frozenset(
         saved[i].name for i in donated
-        if storages[StorageWeakRef(values[i].untyped_storage())] == 1)
+        if storages[StorageWeakRef(values[i].untyped_storage())] == 1)  # type: ignore[union-attr]
