@@ -21,7 +21,7 @@ from torch import fx, nn
 
 from tba import _torch_compat as compat
 from tba.cache.tensor_cache import TensorCache
-from tba.compile import lowering
+from tba.compile import lowering, scheduling
 from tba.compile.partition import Partitioner
 from tba.compile.plan import normalize_path
 from tba.errors import TBAError
@@ -148,6 +148,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], inner: str, patches:
             )
         patches.update(_INDUCTOR_PATCHES)
         lowering.install()
+        scheduling.install()
         patches["custom_partitioner_fn"] = partitioner
     # Note [Rewritten graphs are not cached]
     caches = (torch._functorch.config.patch(_AUTOGRAD_CACHE_OFF) if partitioner is not None

@@ -37,6 +37,7 @@ Registered by the ``"tba"`` backend before it compiles with Inductor (never by `
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -44,29 +45,54 @@ from torch import fx
 
 from tba.compile import ops
 
-__all__ = ["install", "reusable_saved", "REUSABLE"]
+__all__ = ["install", "reusable_saved", "REUSABLE", "Buffers", "buffers_of"]
 
 _installed = False
 
 
+@dataclasses.dataclass
+class Buffers:
+    """The buffers of tba's ops in one graph Inductor lowers (its ``GraphLowering``).
+
+    Attributes:
+        held: kept out of reuse and freed after their last use (Note [Stored buffers are not
+            reused]).
+        reloads: every buffer a ``tba::reload`` registered (the kernel and its output).
+        prefetches: every buffer a ``tba::prefetch`` registered.
+    """
+
+    held: set[str] = dataclasses.field(default_factory=set)
+    reloads: set[str] = dataclasses.field(default_factory=set)
+    prefetches: set[str] = dataclasses.field(default_factory=set)
+
+
+_BUFFERS = "_tba_buffers"  # the attribute of Inductor's GraphLowering that holds them
+
+
+def buffers_of(graph: Any) -> Buffers:
+    """The :class:`Buffers` of Inductor's ``graph`` (empty for a graph without tba's ops)."""
+    found = getattr(graph, _BUFFERS, None)
+    if found is None:
+        found = Buffers()
+        setattr(graph, _BUFFERS, found)
+    assert isinstance(found, Buffers)
+    return found
+
+
 def install() -> None:
-    """Register the lowerings of ``tba::store`` and ``tba::reload`` with Inductor (once)."""
+    """Register the lowerings of tba's ops with Inductor and let its wrapper code free the
+    buffers tba holds (once)."""
     global _installed
     if _installed:
         return
     from torch._inductor import lowering
 
     lowering.add_needs_realized_inputs([ops.STORE, ops.RELOAD, ops.PREFETCH])
-    for op, held in ((ops.STORE, _reads), (ops.RELOAD, _outputs)):
+    for op in (ops.STORE, ops.RELOAD, ops.PREFETCH):
         lowering.register_lowering(op, type_promotion_kind=None)(
-            _held(lowering.fallback_handler(op), held))
-    lowering.register_lowering(ops.PREFETCH, type_promotion_kind=None)(
-        lowering.fallback_handler(ops.PREFETCH))
+            _recorded(lowering.fallback_handler(op), op))
     _free_held_buffers()
     _installed = True
-
-
-_HELD = "_tba_held_buffers"  # attribute of Inductor's GraphLowering: the names tba keeps
 
 
 def _free_held_buffers() -> None:
@@ -78,7 +104,7 @@ def _free_held_buffers() -> None:
     codegen_free = wrapper.PythonWrapperCodegen.codegen_free
 
     def free(self: Any, buffer: Any) -> None:
-        if buffer.get_name() in getattr(V.graph, _HELD, ()):
+        if buffer.get_name() in buffers_of(V.graph).held:
             self.writeline(wrapper.FreeLine(self, buffer))
             return
         codegen_free(self, buffer)  # type: ignore[no-untyped-call]  # Inductor's, untyped
@@ -86,28 +112,35 @@ def _free_held_buffers() -> None:
     wrapper.PythonWrapperCodegen.codegen_free = free  # type: ignore[method-assign]
 
 
-def _held(fallback: Callable[..., Any],
-          held: Callable[[list[Any], list[Any]], set[str]]) -> Callable[..., Any]:
-    """``fallback`` (Inductor's lowering of a fallback kernel), then the buffers ``held``
-    names from the operations and buffers it registered kept out of reuse."""
+def _recorded(fallback: Callable[..., Any], op: Any) -> Callable[..., Any]:
+    """``fallback`` (Inductor's lowering of a fallback kernel for ``op``), then what it
+    registered recorded in the graph's :class:`Buffers`, and the buffers the cache reads after
+    the op kept out of reuse."""
     def lower(*args: Any, **kwargs: Any) -> Any:
         from torch._inductor.virtualized import V
 
         graph = V.graph
         operations, buffers = len(graph.operations), len(graph.buffers)
         result = fallback(*args, **kwargs)
-        names = held(graph.operations[operations:], graph.buffers[buffers:])
-        graph.never_reuse_buffers.update(names)
-        if not hasattr(graph, _HELD):
-            setattr(graph, _HELD, set())
-        getattr(graph, _HELD).update(names)
+        registered = {buffer.get_name() for buffer in graph.buffers[buffers:]}
+        record = buffers_of(graph)
+        if op is ops.STORE:
+            held = _reads(graph.operations[operations:])
+        elif op is ops.RELOAD:
+            record.reloads.update(registered)
+            held = _reloaded(registered)
+        else:
+            record.prefetches.update(registered)
+            held = set()
+        graph.never_reuse_buffers.update(held)
+        record.held.update(held)
         return result
 
     setattr(lower, "_is_fallback_handler", True)
     return lower
 
 
-def _reads(operations: list[Any], buffers: list[Any]) -> set[str]:
+def _reads(operations: list[Any]) -> set[str]:
     """Every buffer the store kernel reads: the tensors the cache holds after it returned."""
     from torch._inductor import ir
 
@@ -121,15 +154,15 @@ def _reads(operations: list[Any], buffers: list[Any]) -> set[str]:
     return names
 
 
-def _outputs(operations: list[Any], buffers: list[Any]) -> set[str]:
-    """Every buffer the reload registered (the tensor it returns), unless the rewrite marked the
+def _reloaded(registered: set[str]) -> set[str]:
+    """The buffers a reload registered (the tensor it returns), unless the rewrite marked the
     reload reusable (``REUSABLE``)."""
     from torch._inductor.virtualized import V
 
     node = V.graph.current_node
     if node is not None and node.meta.get(REUSABLE, False):
         return set()
-    return {buffer.get_name() for buffer in buffers}
+    return registered
 
 
 REUSABLE = "tba_reusable"  # fx meta of a reload whose output Inductor may reuse

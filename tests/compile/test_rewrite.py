@@ -1,11 +1,8 @@
-"""What the backward rewrite hands Inductor: anchors it keeps in memory anyway (Note [Anchors
-Inductor realizes anyway] in tba/compile/rewrite.py) and reloads it may reuse only where plain
-Inductor could reuse the saved tensor (Note [Stored buffers are not reused] in
-tba/compile/lowering.py)."""
+"""What the backward rewrite hands Inductor: reloads it may reuse only where plain Inductor could
+reuse the saved tensor (Note [Stored buffers are not reused] in tba/compile/lowering.py)."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator
 
 import pytest
@@ -32,22 +29,6 @@ def _backward(joint: Joint) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
     swaps = rewrite_forward(fw, groups, num_outputs, graph_id=-1)
     rewrite_backward(bw, swaps, prefetch_modules=1, reusable=reusable)
     return bw, [node for node in bw.graph.nodes if node.target is ops.RELOAD]
-
-
-def test_anchors_are_outputs_inductor_keeps_in_memory(joint: Joint) -> None:
-    """An anchor Inductor would fuse away (a pointwise output) is computed by a kernel of its
-    own once a tba op takes it: every anchor is a matrix product, convolution or attention."""
-    bw, reloads = _backward(joint)
-    anchors = [node.args[-1] for node in bw.graph.nodes
-               if node.target in (ops.RELOAD, ops.PREFETCH) and node.args[-1] is not None]
-    assert anchors, "no tba op took an anchor: nothing checked"
-    for anchor in anchors:
-        assert isinstance(anchor, torch.fx.Node)
-        source = anchor.args[0] if anchor.target is operator.getitem else anchor
-        assert isinstance(source, torch.fx.Node)
-        packet = getattr(source.target, "overloadpacket", None)
-        assert packet in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm), (
-            f"{anchor.name} ({source.target}) anchors a tba op: Inductor would not keep it")
 
 
 def test_only_reloads_plain_inductor_could_reuse_are_left_to_reuse(joint: Joint) -> None:
