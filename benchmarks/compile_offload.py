@@ -20,7 +20,11 @@ Measured side by side in one run: after warm-up (compilation included), ``--repe
 is the median. The activation peak is the ROK sweep's measure (Note [One measure of activation
 memory] in tba/rok/_saved.py) on one extra step per strategy: every storage saved for backward,
 counted while it lives in training memory, the compiled graph's stores and reloads included
-(``tba.compile.watch``). Both are printed as ratios to ``keep``.
+(``tba.compile.watch``), measured from outside the cache (``weakref.finalize`` on each
+storage: it is counted until its memory is really freed). Both are printed as ratios to
+``keep``. Beside them: the cache's own count of that step (``stats().peak_resident_bytes``,
+"cache count") and, on CUDA, the allocator's peak over the step minus what was allocated
+before it (``torch.cuda.max_memory_allocated``, "allocator"; "-" on CPU).
 
 Command lines (repository root, venv active):
 
@@ -77,6 +81,7 @@ class Runner:
     times: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     peak_cuda_bytes: int | None = None
+    counted_peak_bytes: int | None = None  # the cache's own count (stats().peak_resident_bytes)
     status: str = "ok"
 
 
@@ -197,6 +202,8 @@ def _measure_peak(runner: Runner, ids: torch.Tensor, device: str) -> None:
     with meter.measuring(), tba.compile.watch(meter.observe):
         _step(runner, ids, cuda)
     runner.peak_bytes = meter.peak_bytes
+    if runner.cache is not None:
+        runner.counted_peak_bytes = runner.cache.stats().peak_resident_bytes
     if cuda:
         runner.peak_cuda_bytes = torch.cuda.max_memory_allocated() - base
 
@@ -242,6 +249,8 @@ def _report(runners: list[Runner], args: argparse.Namespace, spec: dict[str, Any
             row.update(step_s=step_s, peak_bytes=r.peak_bytes, steps_timed=len(r.times))
             if r.peak_cuda_bytes is not None:
                 row["peak_cuda_allocated_bytes"] = r.peak_cuda_bytes
+            if r.counted_peak_bytes is not None:
+                row["counted_peak_bytes"] = r.counted_peak_bytes
             if keep is not None:
                 row["step_time_ratio"] = step_s / statistics.median(keep.times)
                 row["peak_ratio"] = r.peak_bytes / keep.peak_bytes if keep.peak_bytes else None
@@ -261,10 +270,10 @@ def _table(result: dict[str, Any]) -> str:
              f"model={result['model']} batch={result['batch_size']} inner={result['inner']} "
              f"timed={result['repeats']}x{result['steps']} steps per strategy (interleaved)",
              f"{'strategy':<15}{'step s':>9}{'x keep':>8}{'act peak MiB':>14}{'x keep':>8}"
-             f"{'offloaded MiB/step':>20}  status"]
+             f"{'cache count MiB':>17}{'allocator MiB':>15}{'offloaded MiB/step':>20}  status"]
     for name, row in result["strategies"].items():
         if row["status"] != "ok":
-            lines.append(f"{name:<15}{'':>59}  {row['status']}")
+            lines.append(f"{name:<15}{'':>91}  {row['status']}")
             continue
         ratio_t = row.get("step_time_ratio")
         ratio_m = row.get("peak_ratio")
@@ -272,9 +281,14 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(
             f"{name:<15}{row['step_s']:>9.3f}{ratio_t if ratio_t is not None else float('nan'):>8.2f}"
             f"{row['peak_bytes'] / 2**20:>14.2f}{ratio_m if ratio_m is not None else float('nan'):>8.2f}"
+            f"{_mib(row.get('counted_peak_bytes')):>17}{_mib(row.get('peak_cuda_allocated_bytes')):>15}"
             f"{(offloaded or 0) / 2**20:>20.2f}  ok"
         )
     return "\n".join(lines) + "\n"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

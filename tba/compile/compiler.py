@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from tba import _torch_compat as compat
 from tba.cache.tensor_cache import TensorCache
+from tba.compile import lowering, scheduling
 from tba.compile.partition import Partitioner
 from tba.compile.plan import normalize_path
 from tba.errors import TBAError
@@ -31,20 +32,6 @@ __all__ = ["backend", "INNER_COMPILERS"]
 logger = logging.getLogger(__name__)
 
 INNER_COMPILERS = ("inductor", "aot_eager")
-# Note [Stored buffers are not reused]: Inductor recycles a buffer after its last use in the
-# graph (for another output of its size, or in place by the kernel that reads it last). A
-# stored tensor is read by the cache after the store op returns (a store worker copies it,
-# or it is kept for backward), so the graphs tba rewrites are compiled without buffer reuse
-# and in-place buffers; the caching allocator still recycles the memory once it is freed.
-# Seen on torch 2.13 CPU: a GELU kernel wrote its output into the buffer of the linear output
-# stored just before. A release op that takes the store's tensors and depends on every other
-# op (so the buffers live to the graph's end in Inductor's plan) is not enough to turn reuse
-# back on: where the store needs exact strides Inductor may hand it a copy made for it, and
-# the release then holds another realization, not the store's buffer (seen on torch 2.13 CPU,
-# the benchmark's GPT-2: the embedding sum stored by store 0 reused for the attention mask).
-# Tested by tests/compile/test_compile_offload.py (Inductor, bit-exact) and
-# tests/compile/test_buffer_lifetime.py (stores held in flight until the graph returned;
-# reuse on trains wrong).
 # Note [Rewritten graphs are not cached]: torch.compile's caches (Inductor's FX graph cache,
 # AOTAutograd's cache, local and remote) are kept off for the graphs tba rewrites. A cache hit
 # would be wrong: AOTAutograd's cache returns the compiled forward and backward without
@@ -54,8 +41,8 @@ INNER_COMPILERS = ("inductor", "aot_eager")
 # whose custom_partitioner_fn (the Partitioner) holds the model and cache weakly, and a weak
 # reference does not pickle (torch 2.11 warned "Failed to pickle cache key" per compile).
 # Graphs of models without a cache keep the caches. Tested by tests/compile/test_backend.py.
-_INDUCTOR_PATCHES = {"allow_buffer_reuse": False, "inplace_buffers": False,
-                     "fx_graph_cache": False, "fx_graph_remote_cache": False}
+# Note [Stored buffers are not reused] (lowering.py): the only other change to Inductor.
+_INDUCTOR_PATCHES = {"fx_graph_cache": False, "fx_graph_remote_cache": False}
 _AUTOGRAD_CACHE_OFF = {"enable_autograd_cache": False, "enable_remote_autograd_cache": False}
 _CUDAGRAPH_OPTIONS = ("triton.cudagraphs", "triton_cudagraphs")
 
@@ -160,6 +147,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], inner: str, patches:
                 "\"max-autotune-no-cudagraphs\" or the default mode"
             )
         patches.update(_INDUCTOR_PATCHES)
+        lowering.install()
+        scheduling.install()
         patches["custom_partitioner_fn"] = partitioner
     # Note [Rewritten graphs are not cached]
     caches = (torch._functorch.config.patch(_AUTOGRAD_CACHE_OFF) if partitioner is not None

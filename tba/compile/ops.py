@@ -4,15 +4,14 @@ Note [Effects as ops]: each op is a ``torch.library`` op with a fake implementat
 AOTAutograd, Inductor and ``aot_eager`` run them as they are, and is ordered by data alone:
 store ``i`` takes store ``i - 1``'s key (the stores run in graph order, which is what opens,
 fills and closes the cache's forward); a reload takes its group's key, the marker of the
-prefetch that started its load, and an *anchor*, the output of the node the reload was
-placed after, so no scheduler hoists it (and its memory) earlier; a prefetch takes an anchor
-too. All three are registered as side-effecting (``torch.fx.has_side_effect``: kept by dead
+prefetch that started its load. Neither a reload nor a prefetch takes any other input: under
+Inductor the scheduler places them (Note [Backward in plain Inductor's order] in
+scheduling.py), elsewhere the graph runs in the order the rewrite gave it. All three are registered as side-effecting (``torch.fx.has_side_effect``: kept by dead
 code elimination and by Inductor, never constant-folded). The store requires its inputs at
 their exact traced strides (``needs_exact_strides``; the rewrite records the traced values as
 ``eager_input_vals``), so the tensor the cache keeps has the geometry the reload's fake
 implementation promises backward. Outputs never alias inputs (their schemas say so), which is
-why the key and carriers are fresh tensors and anchors are outputs of ops that allocate
-(Note [Keys and shape carriers] in runtime.py).
+why the key and carriers are fresh tensors (Note [Keys and shape carriers] in runtime.py).
 
 Registered when ``tba.compile`` is imported (never by ``import tba``).
 """
@@ -37,10 +36,9 @@ _LIBRARY.define(
     "str? marker_path, bool last) -> Tensor[]",
     tags=(torch.Tag.needs_exact_strides,),
 )
-_LIBRARY.define("prefetch(Tensor[] keys, Tensor? anchor) -> Tensor")
+_LIBRARY.define("prefetch(Tensor[] keys) -> Tensor")
 _LIBRARY.define(
-    "reload(Tensor key, Tensor shape, int member, int ndim, Tensor? prefetched, Tensor? anchor) "
-    "-> Tensor"
+    "reload(Tensor key, Tensor shape, int member, int ndim, Tensor? prefetched) -> Tensor"
 )
 
 
@@ -62,24 +60,24 @@ def _store_fake(tensors: list[torch.Tensor], after: torch.Tensor | None, index: 
 
 
 @torch.library.impl(_LIBRARY, "prefetch", "CompositeExplicitAutograd")
-def _prefetch(keys: list[torch.Tensor], anchor: torch.Tensor | None) -> torch.Tensor:
+def _prefetch(keys: list[torch.Tensor]) -> torch.Tensor:
     """Start loading the groups of ``keys``; returns a marker the groups' reloads take."""
     return runtime.prefetch(keys)
 
 
-def _prefetch_fake(keys: list[torch.Tensor], anchor: torch.Tensor | None) -> torch.Tensor:
+def _prefetch_fake(keys: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty(1, dtype=torch.uint8, device=keys[0].device)
 
 
 @torch.library.impl(_LIBRARY, "reload", "CompositeExplicitAutograd")
 def _reload(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
-            prefetched: torch.Tensor | None, anchor: torch.Tensor | None) -> torch.Tensor:
+            prefetched: torch.Tensor | None) -> torch.Tensor:
     """Member ``member`` of ``key``'s group, back from the cache (waiting for its load)."""
     return runtime.reload(key, shape, member, ndim)
 
 
 def _reload_fake(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int,
-                 prefetched: torch.Tensor | None, anchor: torch.Tensor | None) -> torch.Tensor:
+                 prefetched: torch.Tensor | None) -> torch.Tensor:
     size, stride = runtime.geometry(shape, ndim)
     return torch.empty_strided(size, stride, dtype=shape.dtype, device=shape.device)
 

@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn
 from tba.cache.capture.compiled import CompiledForwards
 from tba.cache.steps.scopes import matches
 from tba.cache.tensor_cache import TensorCache
-from tba.compile import runtime, verify
+from tba.compile import lowering, runtime, verify
 from tba.compile.plan import Rules, StoreGroup, plan_stores
 from tba.compile.rewrite import rewrite_backward, rewrite_forward
 from tba.errors import TBAError
@@ -132,8 +132,9 @@ class Partitioner(CustomPartitionerFn):
         graph_id = -1
         if groups:
             graph_id = runtime.register_graph(model, cache)
+            reusable = lowering.reusable_saved(fw, bw, num_fwd_outputs)
             swaps = rewrite_forward(fw, groups, num_fwd_outputs, graph_id)
-            rewrite_backward(bw, swaps, cache.config.prefetch_modules)
+            rewrite_backward(bw, swaps, cache.config.prefetch_modules, reusable)
             verify.check_forward(fw, num_fwd_outputs)
             verify.check_backward(fw, bw, num_fwd_outputs)
         report = GraphReport(graph_id, num_saved, len(groups), _num_members(groups),

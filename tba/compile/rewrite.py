@@ -5,9 +5,9 @@ the group's last forward use (``StoreGroup.after``; a later group's store never 
 an earlier one's: the stores run in graph order), and the graph saves, in each member's place,
 the group's key (before its first member) and the member's shape carrier. Backward: the
 placeholders follow suit (the partitioner gives them the saved values' names and order), and
-each member's ``tba::reload`` goes right before its first use, anchored on the nearest
-earlier node that allocates its output. Prefetch works in units, as eager mode's
-``prefetch_modules`` does: the groups, in the order backward first needs them, form runs of
+each member's ``tba::reload`` goes right before its first use (Inductor's scheduler keeps it
+there: Note [Backward in plain Inductor's order] in scheduling.py). Prefetch works in units,
+as eager mode's ``prefetch_modules`` does: the groups, in the order backward first needs them, form runs of
 one unit each; the loads of run ``j`` start (one ``tba::prefetch`` for them) where run
 ``j - prefetch_modules`` begins, the first runs' at the first reload. Every reload of a
 prefetched group takes that prefetch's marker, so the load is started before it is waited
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from tba.compile import ops
+from tba.compile import lowering, ops
 from tba.compile.plan import StoreGroup
 
 __all__ = ["Swap", "rewrite_forward", "rewrite_backward"]
@@ -117,36 +117,14 @@ def rewrite_forward(fw: fx.GraphModule, groups: list[StoreGroup], num_fwd_output
     return swaps
 
 
-def _allocates(node: fx.Node) -> bool:
-    """Whether ``node``'s output is a tensor of its own (not a view of an input): what an
-    anchor must be, since a custom op's output may not alias its inputs."""
-    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
-        return False
-    target = node.target
-    if target is operator.getitem:
-        parent = node.args[0]
-        return isinstance(parent, fx.Node) and _fresh_outputs(parent.target)
-    return _fresh_outputs(target)
-
-
-def _fresh_outputs(target: Any) -> bool:
-    if not isinstance(target, torch._ops.OpOverload) or target in ops.OPS:
-        return False
-    return all(ret.alias_info is None for ret in target._schema.returns)
-
-
-def rewrite_backward(bw: fx.GraphModule, swaps: list[Swap], prefetch_modules: int) -> None:
+def rewrite_backward(bw: fx.GraphModule, swaps: list[Swap], prefetch_modules: int,
+                     reusable: frozenset[str] = frozenset()) -> None:
     """Replace the members' placeholders by keys, carriers and reloads, and add the
-    prefetches (Note [Placing stores, prefetches and reloads])."""
+    prefetches (Note [Placing stores, prefetches and reloads]). The reload of a member named
+    in ``reusable``, alone in its group, is marked so Inductor may reuse its output (Note
+    [Stored buffers are not reused] in lowering.py)."""
     graph = bw.graph
-    nodes = list(graph.nodes)
-    position = {node: i for i, node in enumerate(nodes)}
-    anchors: list[fx.Node | None] = []  # anchors[i]: the last allocating node before nodes[i]
-    latest: fx.Node | None = None
-    for node in nodes:
-        anchors.append(latest)
-        if _allocates(node):
-            latest = node
+    position = {node: i for i, node in enumerate(graph.nodes)}
     placeholders = {node.name: node for node in graph.find_nodes(op="placeholder")}
     # (swap, member index, placeholder, first user or None)
     members: list[tuple[Swap, int, fx.Node, fx.Node | None]] = []
@@ -163,14 +141,15 @@ def rewrite_backward(bw: fx.GraphModule, swaps: list[Swap], prefetch_modules: in
             swap.carriers[i] = carrier
             users = sorted(placeholder.users, key=position.__getitem__)
             members.append((swap, i, placeholder, users[0] if users else None))
-    markers = _insert_prefetches(graph, members, keys, anchors, position, prefetch_modules)
+    markers = _insert_prefetches(graph, members, keys, position, prefetch_modules)
     for swap, i, placeholder, first in members:
         if first is not None:
             value = placeholder.meta["val"]
-            args = (keys[swap.index], swap.carriers[i], i, value.dim(), markers.get(swap.index),
-                    anchors[position[first]])
+            args = (keys[swap.index], swap.carriers[i], i, value.dim(), markers.get(swap.index))
             with graph.inserting_before(first):
                 reload = _call(graph, ops.RELOAD, args, f"tba_reload_{placeholder.name}", value)
+            if len(swap.group.members) == 1 and placeholder.name in reusable:
+                reload.meta[lowering.REUSABLE] = True
             placeholder.replace_all_uses_with(reload)
         graph.erase_node(placeholder)
     graph.lint()
@@ -187,7 +166,6 @@ def _insert_prefetches(
     graph: fx.Graph,
     members: list[tuple[Swap, int, fx.Node, fx.Node | None]],
     keys: dict[int, fx.Node],
-    anchors: list[fx.Node | None],
     position: dict[fx.Node, int],
     prefetch_modules: int,
 ) -> dict[int, fx.Node]:
@@ -223,10 +201,10 @@ def _insert_prefetches(
         value = group_keys[0].meta["val"]
         fake = value.fake_mode
         with fake:
-            marker_value = ops._prefetch_fake([value], None)
+            marker_value = ops._prefetch_fake([value])
         with graph.inserting_before(site):
-            marker = _call(graph, ops.PREFETCH, (group_keys, anchors[position[site]]),
-                           f"tba_prefetch_{indices[0]}", marker_value)
+            marker = _call(graph, ops.PREFETCH, (group_keys,), f"tba_prefetch_{indices[0]}",
+                           marker_value)
         for index in indices:
             markers[index] = marker
     return markers

@@ -1,10 +1,11 @@
-"""Note [Stored buffers are not reused] (tba/compile/compiler.py), under Inductor: every store is
+"""Note [Stored buffers are not reused] (tba/compile/lowering.py), under Inductor: every store is
 held in flight until the forward graph has returned (an offloader that waits for the test to open
 a gate), so every byte a store copies is read after everything the graph did after the store.
-As compiled (buffer reuse and in-place buffers off for rewritten graphs) the stores copy the
-bytes the graph stored (bit-exact training); with Inductor's reuse back on and nothing else
-changed, Inductor hands stored buffers to later values while their stores wait (wrong
-gradients), the planted bug any lifetime model for stored buffers must rule out."""
+As compiled (Inductor's buffer reuse and in-place buffers on; the buffers the stores take kept
+out of reuse) the stores copy the bytes the graph stored (bit-exact training); with the store
+lowered as a plain fallback kernel, Inductor hands stored buffers to later values while their
+stores wait (wrong gradients), the planted bug any lifetime model for stored buffers must rule
+out."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from typing import Any
 import pytest
 import torch
 
+from torch._inductor import lowering as inductor_lowering
+
 import tba
-from tba.compile import compiler
+from tba.compile import lowering, ops
 from tba.offloaders.host import HostOffloader
 from tba.offloaders.wrapper import OffloaderWrapper
 from tests.compile.training import Run, assert_same_training, train
@@ -71,15 +74,15 @@ def test_stores_held_until_the_graph_returned_copy_the_stored_bytes() -> None:
 
 
 @pytest.mark.parametrize("invariants", [True, False])
-def test_buffer_reuse_on_lets_inductor_overwrite_a_buffer_in_flight(
+def test_a_store_left_to_buffer_reuse_lets_inductor_overwrite_a_buffer_in_flight(
         monkeypatch: pytest.MonkeyPatch, invariants: bool) -> None:
-    """The planted bug: the rewritten graphs compiled with Inductor's buffer reuse and in-place
-    buffers (a stored buffer's lifetime ends at its store op). With TBA_CHECK_INVARIANTS=1 the
-    run-time check sees a reused storage stored again; without it the store copies the later
-    value's bytes and training goes wrong."""
-    patches = {k: v for k, v in compiler._INDUCTOR_PATCHES.items()
-               if k not in ("allow_buffer_reuse", "inplace_buffers")}
-    monkeypatch.setattr(compiler, "_INDUCTOR_PATCHES", patches)
+    """The planted bug: ``tba::store`` lowered as Inductor's plain fallback kernel, its buffers
+    left to Inductor's reuse (a stored buffer's lifetime ends at its store op). With
+    TBA_CHECK_INVARIANTS=1 the run-time check sees a reused storage stored again; without it
+    the store copies the later value's bytes and training goes wrong."""
+    lowering.install()
+    monkeypatch.setitem(inductor_lowering.lowerings, ops.STORE,
+                        inductor_lowering.fallback_handler(ops.STORE))
     if invariants:  # the storage is stored again whether or not the first store completed
         monkeypatch.setenv("TBA_CHECK_INVARIANTS", "1")
         with pytest.raises(tba.TBAError, match="an alias stored twice"):

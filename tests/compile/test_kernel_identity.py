@@ -1,17 +1,25 @@
 """Kernel identity, the goal of backend="tba" under Inductor: the kernels Inductor generates with
 ``backend="inductor"``, tba's ops aside, which is what would carry bit-exactness to devices CI
-cannot run. Not reached (the test says so, strictly): the rewritten graphs are compiled without
-buffer reuse and in-place buffers (Note [Stored buffers are not reused] in
-tba/compile/compiler.py), and tba's stores, reloads and prefetches are extern kernels whose
-ordering (store chain, reload and prefetch anchors) changes where Inductor fuses. Measured on
-torch 2.13 CPU, one training step, backend="inductor" vs "tba": GPT-2 3 x 32 forward 15 vs 19
-kernels, backward 9 vs 21; FusedAttention 7 vs 8 and 13 vs 11; even with reuse on (and the
-stored buffers held to the graph's end) both stay apart."""
+cannot run. Reached for FusedAttention (a model whose saved q, k^T and v view one storage),
+forward and backward: Inductor's buffer reuse and in-place buffers on, the buffers the cache
+reads after an op kept out of reuse (Note [Stored buffers are not reused] in
+tba/compile/lowering.py), backward planned as plain Inductor plans it (Note [Backward in plain
+Inductor's order] in tba/compile/scheduling.py). Not yet for GPT-2, marked strictly (torch 2.13
+CPU, one training step, kernels of backend="inductor" missing / new under "tba"):
+- forward, 4 of 15 missing, 9 new: the clone of ``v`` before the second attention matmul is
+  not fused into the softmax kernel, and the loss kernel is split in five; the same with
+  peak-memory reordering off, with the stores unchained and with the stores' layout constraint
+  off. A store realizes its tensor where it runs, plain Inductor where the forward returns it;
+  moving every store to the graph's end did not give Inductor's kernels either (cause not
+  found).
+- backward, 5 of 9 missing, 10 new (after the forward's)."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -35,8 +43,10 @@ def kernels(code: str) -> list[tuple[str, str]]:
     return [(types, source.strip()) for _, types, source in _KERNEL.findall(code)]
 
 
-def _step_code(model_name: str, backend: str) -> list[str]:
-    """Inductor's output code of one training step: forward, then backward."""
+@functools.cache
+def _step_code(model_name: str, backend: str) -> tuple[str, ...]:
+    """Inductor's output code of one training step: forward, then backward (once a process:
+    the forward and backward tests share it)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     make_model, make_batch = MODELS[model_name]
@@ -64,24 +74,33 @@ def _step_code(model_name: str, backend: str) -> list[str]:
     if backend == "tba":
         assert "torch.ops.tba.store" in codes[0]
         assert "torch.ops.tba.reload" in codes[1]
-    return list(codes)
+    return tuple(codes)
 
 
-def _step_kernels(model_name: str, backend: str) -> collections.Counter[tuple[str, str]]:
-    found = collections.Counter(kernel for code in _step_code(model_name, backend)
-                                for kernel in kernels(code))
+def _graph_kernels(model_name: str, backend: str,
+                   graph: int) -> collections.Counter[tuple[str, str]]:
+    found = collections.Counter(kernels(_step_code(model_name, backend)[graph]))
     assert found, "no C++ kernel found in Inductor's output code"
     return found
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="tba's ops change where Inductor fuses (module docstring)")
-@pytest.mark.parametrize("model_name", ["gpt2", "fused_attention"])
-def test_tba_keeps_inductors_kernels(model_name: str) -> None:
+def _not_yet(reason: str) -> Any:
+    return pytest.mark.xfail(strict=True, reason=f"{reason} (module docstring)")
+
+
+@pytest.mark.parametrize(("model_name", "graph"), [
+    ("fused_attention", 0),
+    ("fused_attention", 1),
+    pytest.param("gpt2", 0, marks=[pytest.mark.slow,
+                                   _not_yet("a clone and the loss kernel fuse otherwise")]),
+    pytest.param("gpt2", 1, marks=[pytest.mark.slow, _not_yet("kernels differ after the forward's")]),
+], ids=["fused_attention-forward", "fused_attention-backward", "gpt2-forward", "gpt2-backward"])
+def test_tba_keeps_inductors_kernels(model_name: str, graph: int) -> None:
     """GPT-2 (tied embedding and head) and a model whose saved q, k^T and v view one storage:
-    one training step's kernels, forward and backward, as a multiset."""
-    reference = _step_kernels(model_name, "inductor")
-    found = _step_kernels(model_name, "tba")
+    one training step's kernels of the forward (``graph`` 0) or backward (1) graph, as a
+    multiset."""
+    reference = _graph_kernels(model_name, "inductor", graph)
+    found = _graph_kernels(model_name, "tba", graph)
     missing, extra = reference - found, found - reference
     assert not missing and not extra, (
         f"backend='tba' changed Inductor's kernels: {sum(missing.values())} of "
