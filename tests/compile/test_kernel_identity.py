@@ -7,11 +7,11 @@ tba/compile/lowering.py), backward planned as plain Inductor plans it (Note [Bac
 Inductor's order] in tba/compile/scheduling.py). Not yet for GPT-2, marked strictly (torch 2.13
 CPU, one training step, kernels of backend="inductor" missing / new under "tba"):
 - forward, 4 of 15 missing, 9 new: the clone of ``v`` before the second attention matmul is
-  not fused into the softmax kernel, and the loss kernel is split in five; the same with
-  peak-memory reordering off, with the stores unchained and with the stores' layout constraint
-  off. A store realizes its tensor where it runs, plain Inductor where the forward returns it;
-  moving every store to the graph's end did not give Inductor's kernels either (cause not
-  found).
+  not fused into the softmax kernel, and the loss kernel is split in five. The forward saves
+  the same tensors as under plain Inductor (stored members and saved values together); the
+  kernels differ the same way with peak-memory reordering off, with the stores unchained and
+  with the stores' layout constraint off, and more (8 missing) with every store at the
+  graph's end: cause not found.
 - backward, 5 of 9 missing, 10 new (after the forward's)."""
 
 from __future__ import annotations
