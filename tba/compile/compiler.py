@@ -200,6 +200,14 @@ def backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None =
             "activations are on other devices), so nothing is offloaded; set offload_devices "
             "to the model's device", UserWarning, stacklevel=2,
         )
+    elif reports and not any(r.num_groups for r in reports) and any(r.num_small for r in reports):
+        warnings.warn(
+            f"tba: the graph compiled with backend=\"tba\" for {type(model).__name__} stores "
+            f"nothing: its {sum(r.num_small for r in reports)} saved activations are each "
+            f"smaller than min_offload_bytes={cache.config.min_offload_bytes} B, so nothing is "
+            "offloaded and the cache sees no step of this graph (stats() and summary() stay "
+            "empty); lower min_offload_bytes to offload them", UserWarning, stacklevel=2,
+        )
     return compiled
 
 

@@ -40,7 +40,10 @@ class GraphReport:
         num_groups: storages stored (one store op each).
         num_members: saved tensors stored (views of one storage count once each).
         units: the unit of each group, in store order.
-        num_off_device: saved activations left alone because of ``offload_devices``.
+        num_off_device: saved activations left alone because of ``offload_devices`` (of any
+            size).
+        num_small: saved activations on ``offload_devices`` left alone because their storage
+            is smaller than ``min_offload_bytes`` (counted when nothing is stored).
     """
 
     graph_id: int
@@ -49,6 +52,7 @@ class GraphReport:
     num_members: int
     units: tuple[str | None, ...]
     num_off_device: int
+    num_small: int = 0
 
 
 def _skipped(model: nn.Module, specs: tuple[Any, ...], path: str) -> bool:
@@ -128,7 +132,8 @@ class Partitioner(CustomPartitionerFn):
         output = fw.graph.find_nodes(op="output")[0]
         num_saved = len(output.args[0]) - num_fwd_outputs
         off_device = plan_stores(fw, num_fwd_outputs, dataclasses.replace(
-            rules, devices=frozenset(("cpu", "cuda", "xpu", "mps", "hpu")) - rules.devices))
+            rules, devices=frozenset(("cpu", "cuda", "xpu", "mps", "hpu")) - rules.devices,
+            min_bytes=0))
         graph_id = -1
         if groups:
             graph_id = runtime.register_graph(model, cache)
@@ -137,8 +142,10 @@ class Partitioner(CustomPartitionerFn):
             rewrite_backward(bw, swaps, cache.config.prefetch_modules, reusable)
             verify.check_forward(fw, num_fwd_outputs)
             verify.check_backward(fw, bw, num_fwd_outputs)
+        small = 0 if groups else _num_members(
+            plan_stores(fw, num_fwd_outputs, dataclasses.replace(rules, min_bytes=0)))
         report = GraphReport(graph_id, num_saved, len(groups), _num_members(groups),
-                             tuple(g.unit for g in groups), _num_members(off_device))
+                             tuple(g.unit for g in groups), _num_members(off_device), small)
         self.reports.append(report)
         logger.info("tba compile: %s", report)
 

@@ -6,6 +6,7 @@ without recompiling."""
 from __future__ import annotations
 
 import logging
+import warnings
 from importlib.metadata import entry_points
 
 import pytest
@@ -305,3 +306,37 @@ def test_graphs_with_offload_stay_out_of_torch_compile_caches() -> None:
     used = {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
             if "cache" in k}
     assert used == {}, used
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    # Small and off-device (the default offload_devices is CUDA's): the device is what to fix.
+    (dict(adaptive=False), r"saves no activation on offload_devices=\('cuda',\)"),
+    (dict(offload_devices=("cpu",), adaptive=False),
+     r"stores nothing: its \d+ saved activations are each smaller than min_offload_bytes=1048576"),
+])
+def test_a_graph_that_stores_nothing_says_why(options: dict, message: str) -> None:
+    """A configured model whose compiled graph stores nothing (its cache then sees no step:
+    stats() and summary() stay empty) warns with the option to change."""
+    model = models.Stack(num_blocks=2)
+    cache = tba.configure_tensor_cache(model, offloader="host", **options)
+    compiled = torch.compile(model, backend="tba", fullgraph=True, options={"inner": "aot_eager"})
+    try:
+        with pytest.warns(UserWarning, match=message):
+            _step(compiled)
+        assert cache.stats(cumulative=True).offloaded_bytes == 0
+    finally:
+        cache.close()
+
+
+def test_a_graph_that_stores_says_nothing_of_it() -> None:
+    model = models.Stack(num_blocks=2)
+    cache = tba.configure_tensor_cache(model, **OPTIONS)
+    compiled = torch.compile(model, backend="tba", fullgraph=True, options={"inner": "aot_eager"})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(compiled, cache=cache)
+        assert not [w for w in caught if str(w.message).startswith("tba:")], caught
+        assert cache.stats(cumulative=True).offloaded_bytes > 0
+    finally:
+        cache.close()
