@@ -59,9 +59,13 @@ class Buffers:
             reused]).
         reloads: every buffer a ``tba::reload`` registered (the kernel and its output).
         prefetches: every buffer a ``tba::prefetch`` registered.
+        stores: every buffer a ``tba::store`` registered (the kernel, its key and carriers).
+        stored: the buffers the stores read.
     """
 
     held: set[str] = dataclasses.field(default_factory=set)
+    stores: set[str] = dataclasses.field(default_factory=set)
+    stored: set[str] = dataclasses.field(default_factory=set)
     reloads: set[str] = dataclasses.field(default_factory=set)
     prefetches: set[str] = dataclasses.field(default_factory=set)
 
@@ -126,6 +130,8 @@ def _recorded(fallback: Callable[..., Any], op: Any) -> Callable[..., Any]:
         record = buffers_of(graph)
         if op is ops.STORE:
             held = _reads(graph.operations[operations:])
+            record.stores.update(registered)
+            record.stored.update(held)
         elif op is ops.RELOAD:
             record.reloads.update(registered)
             held = _reloaded(registered)
