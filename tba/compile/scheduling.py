@@ -112,7 +112,7 @@ def _placed(reorder: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
         lowered: Any = V.graph.module  # the FX graph module Inductor lowered
         position = {node: i for i, node in enumerate(lowered.graph.nodes)}
         return place(order, record.reloads, record.prefetches, record.stores,
-                     lambda node: _graph_position(node, position))
+                     lambda node: _graph_position(node, position), record.stored)
 
     return reorder_for_peak_memory
 
@@ -130,11 +130,12 @@ def _names_read(node: Any) -> set[str]:
 
 
 def place(order: list[Any], reloads: set[str], prefetches: set[str], stores: set[str],
-          graph_position: Callable[[Any], int]) -> list[Any]:
+          graph_position: Callable[[Any], int], stored: set[str] | None = None) -> list[Any]:
     """``order`` with the nodes that make ``reloads`` right before their first reader, those
     that make ``prefetches`` before the first other node from later in the graph
     (``graph_position``), and the stores (the nodes that make ``stores``) right after the last
-    other node that makes or reads what they take, in their order; then none of them inside a
+    other node that makes or reads what they take (of ``stored``, when given: not the marker
+    parameter every store also reads), in their order; then none of them inside a
     run of Inductor's own kernels (``_kernel_groups_kept``); everything else keeps its order.
     Nodes are Inductor's scheduler nodes (``get_outputs()``, ``unmet_dependencies``,
     ``read_writes``, ``is_extern()``, ``is_template()``)."""
@@ -154,7 +155,8 @@ def place(order: list[Any], reloads: set[str], prefetches: set[str], stores: set
     for node in ours:
         if not makes(node, stores):
             continue
-        taken = {name for name in _names_read(node) if name not in maker}
+        taken = {name for name in _names_read(node) if name not in maker
+                 and (stored is None or name in stored)}
         if not taken:
             continue  # a key or carrier of a store (it follows its store)
         for i, other in enumerate(rest):

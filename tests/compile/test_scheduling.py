@@ -110,6 +110,21 @@ def test_stores_go_after_the_last_reader_of_what_they_take_in_graph_order() -> N
     assert names == ["a", "b", "c", "s1", "s2", "d"]  # s2 waits for s1 (the stores' order)
 
 
+def test_a_store_does_not_wait_for_the_readers_of_its_marker_parameter() -> None:
+    """Every store also takes a parameter of its block (its marker, a graph input): what the
+    last block reads does not hold the first block's store back (nor, in order, every store
+    after it)."""
+    w = _Node("w", -1, extern=True)  # stands for the parameter
+    a = _Node("a", 0, ("w",), extern=True)
+    b = _Node("b", 1, ("a",), extern=True)
+    head = _Node("head", 2, ("b", "w"), extern=True)
+    s1 = _Node("s1", 3, ("a", "w"))
+    s2 = _Node("s2", 4, ("b", "w", "s1"))
+    placed = place([w, a, b, head, s1, s2], set(), set(), {"s1", "s2"},
+                   lambda node: node.position, stored={"a", "b"})
+    assert [node.name for node in placed] == ["w", "a", "b", "s1", "head", "s2"]
+
+
 def test_tbas_ops_leave_a_run_of_inductors_kernels_whole() -> None:
     """Between two extern kernels (m1, m2) Inductor's C++ backend emits one kernel for p1, p2
     and p3; a reload before p2 and a store after p1 move to the run's start and end."""
@@ -163,3 +178,16 @@ def test_stores_let_go_early_with_or_without_inductors_peak_memory_pass(reorder:
     first_store = body.index("torch.ops.tba.store.default(")
     last_matmul = body.rindex("extern_kernels.")
     assert first_store < last_matmul, "every store after the forward's last matrix product"
+
+
+@pytest.mark.slow
+def test_gpt2s_stores_run_in_their_blocks() -> None:
+    """GPT-2 (6 blocks, the tied embedding every store's marker reads at the head): about half
+    of the forward's stores run before the middle of its matrix products, not all at the end."""
+    code = _step_code("gpt2", "tba")[0]
+    body = code[code.index("def call("):].splitlines()
+    externs = [i for i, line in enumerate(body) if "extern_kernels." in line]
+    stores = [i for i, line in enumerate(body) if "torch.ops.tba.store.default(" in line]
+    middle = externs[len(externs) // 2]
+    early = sum(i < middle for i in stores)
+    assert early >= 0.3 * len(stores), f"{early} of {len(stores)} stores before the middle"
