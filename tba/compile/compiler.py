@@ -162,6 +162,17 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], inner: str, patches:
 _warned_no_cache = False
 
 
+def _placed_by_scheduler(inner: str, patches: dict[str, Any]) -> bool:
+    """Whether Inductor's peak-memory pass will run, and with it the placement of tba's stores
+    (Note [Forward in plain Inductor's order] in scheduling.py): only then do the stores go to
+    the graph's end for the lowering."""
+    if inner != "inductor":
+        return False
+    from torch._inductor import config
+
+    return bool(patches.get("reorder_for_peak_memory", config.reorder_for_peak_memory))
+
+
 def backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None = None,
             options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """``torch.compile(model, backend="tba")``: Inductor with tba's offload inside the
@@ -190,7 +201,8 @@ def backend(gm: fx.GraphModule, example_inputs: list[Any], *, mode: str | None =
     owned = {id(t) for t in itertools.chain(model.parameters(), model.buffers())}
     paths = tuple(path if i < len(example_inputs) and id(example_inputs[i]) in owned else None
                   for i, path in enumerate(_input_paths(gm)))
-    partitioner = Partitioner(model, cache, input_paths=paths)
+    partitioner = Partitioner(model, cache, input_paths=paths,
+                              late_stores=_placed_by_scheduler(inner, patches))
     compiled = _compile(gm, example_inputs, inner, patches, partitioner)
     reports = partitioner.reports
     if reports and not any(r.num_groups for r in reports) and any(r.num_off_device for r in reports):

@@ -59,9 +59,13 @@ class Buffers:
             reused]).
         reloads: every buffer a ``tba::reload`` registered (the kernel and its output).
         prefetches: every buffer a ``tba::prefetch`` registered.
+        stores: every buffer a ``tba::store`` registered (the kernel, its key and carriers).
+        stored: the buffers the stores read.
     """
 
     held: set[str] = dataclasses.field(default_factory=set)
+    stores: set[str] = dataclasses.field(default_factory=set)
+    stored: set[str] = dataclasses.field(default_factory=set)
     reloads: set[str] = dataclasses.field(default_factory=set)
     prefetches: set[str] = dataclasses.field(default_factory=set)
 
@@ -125,7 +129,9 @@ def _recorded(fallback: Callable[..., Any], op: Any) -> Callable[..., Any]:
         registered = {buffer.get_name() for buffer in graph.buffers[buffers:]}
         record = buffers_of(graph)
         if op is ops.STORE:
-            held = _reads(graph.operations[operations:])
+            held = _reads(graph.operations[operations:], record)
+            record.stores.update(registered)
+            record.stored.update(held)
         elif op is ops.RELOAD:
             record.reloads.update(registered)
             held = _reloaded(registered)
@@ -140,15 +146,18 @@ def _recorded(fallback: Callable[..., Any], op: Any) -> Callable[..., Any]:
     return lower
 
 
-def _reads(operations: list[Any]) -> set[str]:
-    """Every buffer the store kernel reads: the tensors the cache holds after it returned."""
+def _reads(operations: list[Any], record: Buffers) -> set[str]:
+    """The buffers of the tensors a store kernel takes (the cache holds them after it returned):
+    what it reads but graph inputs (the marker parameter) and the key of the store before it."""
     from torch._inductor import ir
+    from torch._inductor.virtualized import V
 
     names: set[str] = set()
     for operation in operations:
         if isinstance(operation, ir.FallbackKernel) and operation.op_overload is ops.STORE:
             names.update(source.get_name() for source in operation.inputs
                          if isinstance(source, ir.IRNode))
+    names -= set(V.graph.graph_inputs) | record.stores
     if not names:
         raise AssertionError("tba bug: Inductor lowered tba::store without a fallback kernel")
     return names

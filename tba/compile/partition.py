@@ -104,13 +104,14 @@ class Partitioner(CustomPartitionerFn):
 
     def __init__(self, model: nn.Module, cache: TensorCache,
                  partition: Callable[..., tuple[fx.GraphModule, fx.GraphModule]] | None = None,
-                 input_paths: tuple[str | None, ...] = ()) -> None:
+                 input_paths: tuple[str | None, ...] = (), late_stores: bool = False) -> None:
         # Weakly: Inductor may keep its config (this object) with the compiled code, and a
         # compiled graph must not keep the model or its cache alive.
         self._model = weakref.ref(model)
         self._cache = weakref.ref(cache)
         self._partition = partition or min_cut_rematerialization_partition
         self._input_paths = input_paths
+        self._late_stores = late_stores  # Note [Forward in plain Inductor's order]
         self.reports: list[GraphReport] = []
 
     def __deepcopy__(self, memo: dict[int, object]) -> Partitioner:
@@ -138,7 +139,7 @@ class Partitioner(CustomPartitionerFn):
         if groups:
             graph_id = runtime.register_graph(model, cache)
             reusable = lowering.reusable_saved(fw, bw, num_fwd_outputs)
-            swaps = rewrite_forward(fw, groups, num_fwd_outputs, graph_id)
+            swaps = rewrite_forward(fw, groups, num_fwd_outputs, graph_id, late=self._late_stores)
             rewrite_backward(bw, swaps, cache.config.prefetch_modules, reusable)
             verify.check_forward(fw, num_fwd_outputs)
             verify.check_backward(fw, bw, num_fwd_outputs)

@@ -57,20 +57,22 @@ def _call(graph: fx.Graph, target: Any, args: tuple[Any, ...], name: str, value:
 
 
 def rewrite_forward(fw: fx.GraphModule, groups: list[StoreGroup], num_fwd_outputs: int,
-                    graph_id: int) -> list[Swap]:
+                    graph_id: int, late: bool = False) -> list[Swap]:
     """Insert the stores (Note [Placing stores, prefetches and reloads]) and save keys and
-    carriers instead of the members."""
+    carriers instead of the members; with ``late``, every store at the graph's end (Note
+    [Forward in plain Inductor's order] in scheduling.py)."""
     graph = fw.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     swaps: list[Swap] = []
+    end = graph.find_nodes(op="output")[0].prev
     previous_end: fx.Node | None = None
     chain: fx.Node | None = None
     for index, group in enumerate(groups):
-        after = group.after
-        if previous_end is not None and order[after] <= order[previous_end]:
+        after = end if late and previous_end is None else group.after
+        if previous_end is not None and (late or order[after] <= order[previous_end]):
             after = previous_end  # a later store never runs before an earlier one
         slot = order[after]
-        for node in group.moved:  # views only backward needs, up to the store
+        for node in [] if late else group.moved:  # views only backward needs, up to the store
             after.append(node)
             after = node
             order[node] = slot

@@ -1,28 +1,41 @@
-"""Where Inductor's scheduler puts tba's backward ops: in plain Inductor's order.
+"""Where Inductor's scheduler puts tba's ops: Inductor's own kernels as plain Inductor has them.
 
 Note [Backward in plain Inductor's order]: Inductor orders a graph's kernels to lower its peak
 memory (``reorder_for_peak_memory``: the best of a few topological orders by estimated peak),
-and the order decides kernels too (which buffer a kernel writes in place, what the C++ backend
-emits as one kernel). Plain Inductor plans backward with every saved tensor an input, in memory
-from the start and freed after its last use; in a graph tba rewrote the same tensor is the
-output of a ``tba::reload``, memory allocated where the reload runs. Planned as it is, backward
-gets another order and other kernels (seen on torch 2.13 CPU: a small attention model's
-backward, 10 of Inductor's 13 kernels missing). So the planner is shown plain Inductor's
-backward:
-- a reload's output is planned as an input of that size, freed after its last use, and the
-  reload and prefetch nodes as allocating nothing;
-- after the planner picked its order, each reload goes right before the first node that reads
-  what it returns, and each prefetch before the first node that came after it in the graph tba
-  rewrote (where ``prefetch_modules`` put it), so loads start and memory comes back where the
-  rewrite put them, whatever order the planner liked for nodes that cost nothing.
-Nothing else moves, so the rest of the order is the one plain Inductor's planner picks for the
-same backward, with no data edge from tba's ops to hold a kernel back (the ops take no anchor:
-the placement above is what keeps a reload from running early). With
-``reorder_for_peak_memory`` off Inductor keeps the graph's order, where the rewrite placed the
-ops. Tested by tests/compile/test_kernel_identity.py (a small attention model's backward has
-Inductor's kernels) and tests/compile/test_scheduling.py (the placement, on every tba graph).
+and the order decides kernels too (which buffer a kernel writes in place). Plain Inductor plans
+backward with every saved tensor an input, in memory from the start and freed after its last
+use; in a graph tba rewrote the same tensor is the output of a ``tba::reload``, memory
+allocated where the reload runs. Planned as it is, backward gets another order and other
+kernels (seen on torch 2.13 CPU: a small attention model's backward, 10 of Inductor's 13
+kernels missing). So the planner is shown plain Inductor's backward: a reload's output is
+planned as an input of that size, freed after its last use, and the reload and prefetch nodes
+as allocating nothing. After the planner picked its order, each reload goes right before the
+first node that reads what it returns, and each prefetch before the first node that came after
+it in the graph tba rewrote (where ``prefetch_modules`` put it).
 
-Installed with the lowerings (``tba.compile.lowering.install``), it changes nothing for a graph
+Note [Forward in plain Inductor's order]: the same for forward. Plain Inductor makes a saved
+tensor a graph output, realized (written to a buffer of its own) when the lowering reaches the
+output, after every op that reads it was lowered (and could compute it inline); a store in the
+middle of the graph realizes it there, and the ops lowered after it read the buffer instead
+(seen on torch 2.13 CPU: GPT-2's loss kernel split in five). So under Inductor every store is
+put at the graph's end (``rewrite_forward(late=True)``), what the stores take is planned as
+graph outputs, and after the planner's order each store goes right after the last node that
+makes or reads what it takes (the stores in their order), where the graph then lets go of the
+buffers (Note [Stored buffers are not reused] in lowering.py).
+
+Last, none of tba's ops stays inside a run of Inductor's own kernels between two extern kernels:
+stores move to the run's end, reloads and prefetches to its start. Inductor's C++ backend emits
+a run as one kernel (its kernel group is flushed at every extern kernel, and tba's ops are
+extern kernels), so an op inside a run splits it (seen: GPT-2's backward, 5 of 9 kernels).
+
+Nothing else moves, so the rest of the order is the one plain Inductor's planner picks, and no
+data edge holds one of Inductor's kernels back (tba's ops take no anchor: the placement keeps a
+reload from running early and a store from running late). With ``reorder_for_peak_memory``
+off nothing is placed: the stores stay where the rewrite puts them without ``late`` (after the
+last use of what they take) and Inductor keeps the graph's order. Tested by
+tests/compile/test_kernel_identity.py and tests/compile/test_scheduling.py.
+
+Installed with the lowerings (``tba.compile.lowering.install``); it changes nothing for a graph
 without tba's ops.
 """
 
@@ -85,17 +98,21 @@ def _planned_as_plain(prepare: Callable[..., Any]) -> Callable[..., Any]:
 
 def _placed(reorder: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     def reorder_for_peak_memory(nodes: list[Any], name_to_buf: dict[str, Any],
+                                name_to_fused_node: Any, graph_inputs: Any, graph_outputs: Any,
                                 *args: Any, **kwargs: Any) -> list[Any]:
         from torch._inductor.virtualized import V
 
-        order = reorder(nodes, name_to_buf, *args, **kwargs)
         record = buffers_of(V.graph)
-        if not (record.reloads or record.prefetches):
+        # Forward: what the stores take is planned as plain Inductor's saved outputs are.
+        outputs = graph_outputs | record.stored if record.stored else graph_outputs
+        order = reorder(nodes, name_to_buf, name_to_fused_node, graph_inputs, outputs,
+                        *args, **kwargs)
+        if not (record.reloads or record.prefetches or record.stores):
             return order
         lowered: Any = V.graph.module  # the FX graph module Inductor lowered
         position = {node: i for i, node in enumerate(lowered.graph.nodes)}
-        return place(order, record.reloads, record.prefetches,
-                     lambda node: _graph_position(node, position))
+        return place(order, record.reloads, record.prefetches, record.stores,
+                     lambda node: _graph_position(node, position), record.stored)
 
     return reorder_for_peak_memory
 
@@ -107,18 +124,45 @@ def _graph_position(node: Any, position: dict[Any, int]) -> int:
     return min((position.get(origin, -1) for origin in origins), default=-1)
 
 
-def place(order: list[Any], reloads: set[str], prefetches: set[str],
-          graph_position: Callable[[Any], int]) -> list[Any]:
-    """``order`` with the nodes that make ``reloads`` right before their first reader and those
+def _names_read(node: Any) -> set[str]:
+    return ({dep.name for dep in node.unmet_dependencies}
+            | {dep.name for dep in node.read_writes.reads})
+
+
+def place(order: list[Any], reloads: set[str], prefetches: set[str], stores: set[str],
+          graph_position: Callable[[Any], int], stored: set[str] | None = None) -> list[Any]:
+    """``order`` with the nodes that make ``reloads`` right before their first reader, those
     that make ``prefetches`` before the first other node from later in the graph
-    (``graph_position``); everything else keeps its order. Nodes are Inductor's scheduler nodes
-    (``get_outputs()``, ``unmet_dependencies``)."""
+    (``graph_position``), and the stores (the nodes that make ``stores``) right after the last
+    other node that makes or reads what they take (of ``stored``, when given: not the marker
+    parameter every store also reads), in their order; then none of them inside a
+    run of Inductor's own kernels (``_kernel_groups_kept``); everything else keeps its order.
+    Nodes are Inductor's scheduler nodes (``get_outputs()``, ``unmet_dependencies``,
+    ``read_writes``, ``is_extern()``, ``is_template()``)."""
+    ours_names = reloads | prefetches | stores
+
     def makes(node: Any, names: set[str]) -> bool:
         return any(buffer.get_name() in names for buffer in node.get_outputs())
 
-    ours = [node for node in order if makes(node, reloads | prefetches)]
+    ours = [node for node in order if makes(node, ours_names)]
+    rest = [node for node in order if not makes(node, ours_names)]
     waiting = [node for node in ours if makes(node, prefetches)]
     maker = {buffer.get_name(): node for node in ours for buffer in node.get_outputs()}
+    # A store runs after the last node of ``rest`` that makes or reads one of its tensors, and
+    # after the store before it (the stores run in graph order).
+    after_node: dict[int, list[Any]] = {}
+    bound = -1
+    for node in ours:
+        if not makes(node, stores):
+            continue
+        taken = {name for name in _names_read(node) if name not in maker
+                 and (stored is None or name in stored)}
+        if not taken:
+            continue  # a key or carrier of a store (it follows its store)
+        for i, other in enumerate(rest):
+            if taken & _names_read(other) or any(b.get_name() in taken for b in other.get_outputs()):
+                bound = max(bound, i)
+        after_node.setdefault(bound, []).append(node)
     placed: list[Any] = []
     done: set[int] = set()
 
@@ -132,14 +176,45 @@ def place(order: list[Any], reloads: set[str], prefetches: set[str],
                 emit(source)
         placed.append(node)
 
-    for node in order:
-        if makes(node, reloads | prefetches):
-            continue
+    for store in after_node.get(-1, []):
+        emit(store)
+    for i, node in enumerate(rest):
         at = graph_position(node)
         for prefetch in [p for p in waiting if graph_position(p) < at]:
             waiting.remove(prefetch)
             emit(prefetch)
         emit(node)
+        for store in after_node.get(i, []):
+            emit(store)
     for node in ours:
         emit(node)
+    return _kernel_groups_kept(placed, lambda node: makes(node, ours_names),
+                               lambda node: makes(node, stores))
+
+
+def _kernel_groups_kept(order: list[Any], ours: Callable[[Any], bool],
+                        late: Callable[[Any], bool]) -> list[Any]:
+    """``order`` with no op of tba's inside a run of Inductor's own kernels: between two of
+    Inductor's extern kernels, tba's ops that go late (stores) move to the run's end, the others
+    (reloads, prefetches) to its start. A C++ backend emits a run as one kernel (it flushes
+    its kernel group at every extern kernel), so an op of tba's inside a run splits it."""
+    placed: list[Any] = []
+    early: list[Any] = []
+    middle: list[Any] = []
+    ending: list[Any] = []
+
+    def close_run() -> None:
+        placed.extend(early + middle + ending)
+        for run in (early, middle, ending):
+            run.clear()
+
+    for node in order:
+        if ours(node):
+            (ending if late(node) else early).append(node)
+        elif node.is_extern() or node.is_template():
+            close_run()
+            placed.append(node)
+        else:
+            middle.append(node)
+    close_run()
     return placed
