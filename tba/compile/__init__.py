@@ -11,6 +11,10 @@ min-cut partitioner decides what backward needs exactly as without tba, and then
     ``tba::reload`` before each member's first backward use, with ``tba::prefetch`` ahead
     by ``prefetch_modules`` units (Note [Placing stores, prefetches and reloads]),
   * verify.py checks the placement on every compile (Note [Checked placement]),
+  * under Inductor, lowering.py keeps what the cache reads after an op out of Inductor's
+    buffer reuse (Note [Stored buffers are not reused]) and scheduling.py plans both graphs
+    as plain Inductor plans them, then places tba's ops (Notes [Forward in plain Inductor's
+    order] and [Backward in plain Inductor's order]), so Inductor's own kernels stay its own,
   * ops.py defines the ops (Note [Effects as ops]) and runtime.py runs them against the
     model's tensor cache (Note [Keys and shape carriers]; the cache's side is
     tba/cache/capture/compiled.py, Note [The cache under compiled graphs]),

@@ -19,7 +19,7 @@ the graph's own making (Inductor's ``reinterpret_tensor`` views have no ``_base`
 version counter of their own, and a custom op's ``detach()`` starts a new counter), so the
 eager identity of Note [Version-counter families] cannot group them and the saved-version
 check would compare unrelated counters. The graph is functional (nothing writes a saved
-tensor; Note [Stored buffers are not reused] in tba/compile/compiler.py), so a group is saved
+tensor; Note [Stored buffers are not reused] in tba/compile/lowering.py), so a group is saved
 as plain views of its storage, all of one family made for the group: one entry per storage,
 one handle per member, the member's geometry kept in the handle, versions that agree.
 
