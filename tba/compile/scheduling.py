@@ -150,6 +150,10 @@ def place(order: list[Any], reloads: set[str], prefetches: set[str], stores: set
     maker = {buffer.get_name(): node for node in ours for buffer in node.get_outputs()}
     # A store runs after the last node of ``rest`` that makes or reads one of its tensors, and
     # after the store before it (the stores run in graph order).
+    last_touch: dict[str, int] = {}  # buffer name -> the last node of ``rest`` making or reading it
+    for i, other in enumerate(rest):
+        for name in _names_read(other) | {b.get_name() for b in other.get_outputs()}:
+            last_touch[name] = i
     after_node: dict[int, list[Any]] = {}
     bound = -1
     for node in ours:
@@ -159,9 +163,7 @@ def place(order: list[Any], reloads: set[str], prefetches: set[str], stores: set
                  and (stored is None or name in stored)}
         if not taken:
             continue  # a key or carrier of a store (it follows its store)
-        for i, other in enumerate(rest):
-            if taken & _names_read(other) or any(b.get_name() in taken for b in other.get_outputs()):
-                bound = max(bound, i)
+        bound = max(bound, *(last_touch.get(name, -1) for name in taken))
         after_node.setdefault(bound, []).append(node)
     placed: list[Any] = []
     done: set[int] = set()
