@@ -37,6 +37,7 @@ Registered by the ``"tba"`` backend before it compiles with Inductor (never by `
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 from torch import fx
 
 from tba.compile import ops
+from tba.compile.plan import storage_key
 
 __all__ = ["install", "reusable_saved", "REUSABLE", "Buffers", "buffers_of"]
 
@@ -183,25 +185,18 @@ def reusable_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int)
     import torch
     from torch._functorch._aot_autograd import graph_compile
     from torch._functorch._aot_autograd.utils import contain_metadata_mutation_ops
-    from torch.multiprocessing.reductions import StorageWeakRef
 
     if not torch._functorch.config.donated_buffer or any(
             contain_metadata_mutation_ops(g) for g in (fw, bw)):
         return frozenset()
     outputs = list(fw.graph.find_nodes(op="output")[0].args[0])
     saved = [n for n in outputs[num_fwd_outputs:] if isinstance(n, fx.Node)]
-    values = [n.meta.get("val") for n in saved]
     fw_ins = [n.meta.get("val") for n in fw.graph.find_nodes(op="placeholder")]
     user_outs = [n.meta.get("val") if isinstance(n, fx.Node) else None
                  for n in outputs[:num_fwd_outputs]]
     bw_outs = [n.meta.get("val") if isinstance(n, fx.Node) else None
                for n in bw.graph.find_nodes(op="output")[0].args[0]]
-    donated = graph_compile.collect_fw_donated_buffer_idxs(fw_ins, user_outs, bw_outs, values)
-    storages: dict[Any, int] = {}
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            ref = StorageWeakRef(value.untyped_storage())
-            storages[ref] = storages.get(ref, 0) + 1
-    return frozenset(
-        saved[i].name for i in donated
-        if storages[StorageWeakRef(values[i].untyped_storage())] == 1)  # type: ignore[union-attr]
+    donated = graph_compile.collect_fw_donated_buffer_idxs(
+        fw_ins, user_outs, bw_outs, [n.meta.get("val") for n in saved])
+    sharing = collections.Counter(storage_key(n) for n in saved)
+    return frozenset(saved[i].name for i in donated if sharing[storage_key(saved[i])] == 1)

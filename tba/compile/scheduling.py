@@ -180,11 +180,12 @@ def place(order: list[Any], reloads: set[str], prefetches: set[str], stores: set
 
     for store in after_node.get(-1, []):
         emit(store)
+    waiting.sort(key=graph_position)  # in the graph's order, each waits for a later node
     for i, node in enumerate(rest):
-        at = graph_position(node)
-        for prefetch in [p for p in waiting if graph_position(p) < at]:
-            waiting.remove(prefetch)
-            emit(prefetch)
+        if waiting:
+            at = graph_position(node)
+            while waiting and graph_position(waiting[0]) < at:
+                emit(waiting.pop(0))
         emit(node)
         for store in after_node.get(i, []):
             emit(store)
