@@ -32,6 +32,19 @@ before it (torch 2.13 CPU). Tested by tests/compile/test_buffer_lifetime.py (sto
 flight until the graph returned; a store whose buffers are left to reuse trains wrong) and
 tests/compile/test_kernel_identity.py.
 
+Note [Stored values are realized as outputs]: a value saved for backward is an output of plain
+Inductor's forward graph; under tba its user is the store instead of the output. Inductor
+decides while it lowers a node whether to realize it (write it to a buffer) or to inline it
+into its readers, and one of its rules looks at the users: a value read by several nodes, one
+of them the graph's output, is realized where it is lowered (and a view that is an output is
+realized too). Without the rule a value the store takes stayed inlined until the lowering
+reached the store, at the graph's end, and was computed there by a kernel of its own: GPT-2's
+label count (``convert_element_type``, saved for backward) left the loss kernel (torch 2.13
+CPU). So a node a store reads gets the output rule after Inductor lowered it
+(``_realize_stored_as_outputs``, a wrapper of ``GraphLowering.run_node`` that does nothing for
+other nodes); the exact strides the store needs are still asked for by the store. Tested by
+tests/compile/test_kernel_identity.py (GPT-2's forward).
+
 Registered by the ``"tba"`` backend before it compiles with Inductor (never by ``import tba``).
 """
 
@@ -98,6 +111,7 @@ def install() -> None:
         lowering.register_lowering(op, type_promotion_kind=None)(
             _recorded(lowering.fallback_handler(op), op))
     _free_held_buffers()
+    _realize_stored_as_outputs()
     _installed = True
 
 
@@ -116,6 +130,32 @@ def _free_held_buffers() -> None:
         codegen_free(self, buffer)  # type: ignore[no-untyped-call]  # Inductor's, untyped
 
     wrapper.PythonWrapperCodegen.codegen_free = free  # type: ignore[method-assign]
+
+
+def _realize_stored_as_outputs() -> None:
+    """Inductor realizes a value a store takes where it would realize it as a graph output
+    (Note [Stored values are realized as outputs])."""
+    from torch._inductor import config, ir
+    from torch._inductor.graph import GraphLowering
+
+    run_node = GraphLowering.run_node
+
+    def lower_node(self: Any, n: fx.Node) -> object:
+        result = run_node(self, n)
+        if not isinstance(result, ir.TensorBox) or not any(
+                user.target is ops.STORE for user in n.users):
+            return result
+        if isinstance(result.data, ir.BaseView):
+            result.realize()
+        elif len(n.users) > 1 and isinstance(result.data, ir.StorageBox) and isinstance(
+                result.data.data, (ir.Pointwise, ir.Reduction)):
+            inner = result.data.data
+            if not (config.delay_realize_cheap_outputs and inner.num_reads() == 0
+                    and not inner.has_large_inner_fn()):
+                result.realize()
+        return result
+
+    GraphLowering.run_node = lower_node  # type: ignore[method-assign]
 
 
 def _recorded(fallback: Callable[..., Any], op: Any) -> Callable[..., Any]:

@@ -4,21 +4,16 @@ cannot run. Inductor's buffer reuse and in-place buffers stay on, the buffers th
 after an op are kept out of reuse (Note [Stored buffers are not reused] in
 tba/compile/lowering.py), and forward and backward are planned as plain Inductor plans them,
 tba's ops then placed between Inductor's runs of kernels (Notes [Forward in plain Inductor's
-order] and [Backward in plain Inductor's order] in tba/compile/scheduling.py). Reached for
-FusedAttention (a model whose saved q, k^T and v view one storage), forward and backward, and
-for GPT-2's backward. Not yet for GPT-2's forward, marked strictly (torch 2.13 CPU, one training
-step): 1 of Inductor's 15 kernels missing, 2 new: the count of labels the loss divides by
-(``convert_element_type``, saved for backward) is a kernel of its own instead of part of the
-loss kernel. Its store realizes it when the lowering reaches the store, at the graph's end, as
-plain Inductor's output does; Inductor still does not fuse it (cause not found)."""
+order] and [Backward in plain Inductor's order] in tba/compile/scheduling.py), and a value a store
+takes is realized where Inductor realizes a graph output (Note [Stored values are realized as
+outputs] in tba/compile/lowering.py). Checked for FusedAttention (a model whose saved q, k^T and
+v view one storage) and GPT-2 (tied embedding and head), forward and backward."""
 
 from __future__ import annotations
 
 import collections
 import functools
 import re
-from typing import Any
-
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -82,16 +77,11 @@ def _graph_kernels(model_name: str, backend: str,
     return found
 
 
-def _not_yet(reason: str) -> Any:
-    return pytest.mark.xfail(strict=True, reason=f"{reason} (module docstring)")
-
-
 @pytest.mark.parametrize(("model_name", "graph"), [
     ("fused_attention", 0),
     ("fused_attention", 1),
-    pytest.param("gpt2", 0, marks=[pytest.mark.slow,
-                                   _not_yet("the loss's label count is a kernel of its own")]),
-    pytest.param("gpt2", 1, marks=pytest.mark.slow),
+    ("gpt2", 0),
+    ("gpt2", 1),
 ], ids=["fused_attention-forward", "fused_attention-backward", "gpt2-forward", "gpt2-backward"])
 def test_tba_keeps_inductors_kernels(model_name: str, graph: int) -> None:
     """GPT-2 (tied embedding and head) and a model whose saved q, k^T and v view one storage:
