@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tba import _env
+from tba import _torch_compat as compat
 from tba.cache.capture.compiled import CompiledForwards
 from tba.cache.engine import Entry, Handle
 from tba.cache.tensor_cache import TensorCache
@@ -176,6 +177,12 @@ def carrier(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(dims, (0,) * len(dims), dtype=tensor.dtype, device=tensor.device)
 
 
+def _carrier(tensor: torch.Tensor) -> torch.Tensor:
+    """``carrier`` for a real tensor (when a graph runs; never under a fake mode)."""
+    dims = (0, *tensor.shape, *tensor.stride())
+    return compat.new_empty(dims, (0,) * len(dims), tensor.dtype, tensor.device)
+
+
 def geometry(shape: torch.Tensor, ndim: int) -> tuple[list[Any], list[Any]]:
     """The (size, stride) a carrier describes."""
     dims = list(shape.shape[1:])
@@ -206,13 +213,13 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | 
     for observer in _observers:
         for tensor in tensors:
             observer(tensor, "saved")
-    key = torch.empty(1, dtype=torch.uint8, device=tensors[0].device)
+    key = compat.new_empty((1,), (1,), torch.uint8, tensors[0].device)
     setattr(key.untyped_storage(), KEY_ATTR, (seam.saved, packed))
     run.next = index + 1
     if last:
         run.graph, run.seam, run.stored = -1, None, None
         seam.end()
-    return [key, *(carrier(tensor) for tensor in tensors)]
+    return [key, *[_carrier(tensor) for tensor in tensors]]
 
 
 def _check_stored_once(stored: dict[int, int], packed: list[Any], index: int) -> None:
@@ -245,8 +252,9 @@ def reload(key: torch.Tensor, shape: torch.Tensor, member: int, ndim: int) -> to
     """``tba::reload``: the member back from the cache, as autograd's unpack hook would."""
     saved, values = _packed(key)
     tensor: torch.Tensor = saved.unpack(values[member])
-    size, stride = geometry(shape, ndim)
-    if list(tensor.shape) != size or list(tensor.stride()) != stride:
+    dims = shape.shape
+    if tensor.shape != dims[1:ndim + 1] or tensor.stride() != dims[ndim + 1:]:
+        size, stride = geometry(shape, ndim)
         raise AssertionError(
             f"tba bug: reload of member {member} returned size {tuple(tensor.shape)} and stride "
             f"{tensor.stride()}; its store saw size {tuple(size)} and stride {tuple(stride)}"
