@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Offload inside the compiled graph: the main job's GPT-2, compiled, kept vs ``backend="tba"``.
 
-Strategies, each its own copy of the model from one seed, compiled whole (``fullgraph=True``):
+Strategies, each its own copy of the model from one seed, compiled whole (``fullgraph=True``) but
+the ``eager-*`` ones:
 
 - ``keep``: ``torch.compile(model, backend=<inner>)``: every activation stays in memory.
 - ``tba-host`` / ``tba-ssd``: ``torch.compile(model, backend="tba")`` with a tensor cache
@@ -9,6 +10,11 @@ Strategies, each its own copy of the model from one seed, compiled whole (``full
   strategies: ``keep_last_modules=1``, its ``min_offload_bytes``, no adaptive policy).
 - ``tba-none``: the same with ``offloader="none"``: tba's ops and bookkeeping in the graph,
   no byte moved (what the rewrite itself costs).
+- ``eager-keep``, ``eager-none``, ``eager-host``, ``eager-ssd``: the same model and caches
+  without ``torch.compile`` (tba's hooks, as a user without compile runs it), their ratios to
+  ``eager-keep``: what each offloader costs eager mode on this machine, beside what it costs
+  the compiled graph (``tba-none`` against ``keep``, ...). ``eager-keep`` and ``eager-none``
+  run by default.
 - ``torch-offload``: PyTorch's own pass (``torch._functorch.config.enable_activation_offloading``;
   torch 2.13 lets nothing but a graph pass choose what it offloads, so a joint-graph pass marks
   every forward op, and the pass offloads what it can: no views, contiguous tensors), on CUDA
@@ -18,11 +24,12 @@ Strategies, each its own copy of the model from one seed, compiled whole (``full
 Measured side by side in one run: after warm-up (compilation included), ``--repeats`` rounds of
 ``--steps`` timed steps per strategy, strategies in a new random order each round; the step time
 is the median. The activation peak is the ROK sweep's measure (Note [One measure of activation
-memory] in tba/rok/_saved.py) on one extra step per strategy: every storage saved for backward,
+memory] in tba/rok/_saved.py) on ``--peak-steps`` more steps per strategy, each measured alone,
+the median printed (the JSON keeps each): every storage saved for backward,
 counted while it lives in training memory, the compiled graph's stores and reloads included
 (``tba.compile.watch``), measured from outside the cache (``weakref.finalize`` on each
 storage: it is counted until its memory is really freed). Both are printed as ratios to
-``keep``. Beside them: the cache's own count of that step (``stats().peak_resident_bytes``,
+``keep``. Beside them: the cache's own count of those steps (``stats().peak_resident_bytes``,
 "cache count") and, on CUDA, the allocator's peak over the step minus what was allocated
 before it (``torch.cuda.max_memory_allocated``, "allocator"; "-" on CPU).
 
@@ -65,7 +72,9 @@ from tba.rok._cli import _CPU_MODEL, _QUICK_MODEL, _cpu_threads, _cuda_model  # 
 from tba.rok._saved import SavedActivationMeter  # noqa: E402
 from tba.rok._worker import build_model  # noqa: E402
 
-STRATEGIES = ("keep", "tba-none", "tba-host", "tba-ssd", "torch-offload")
+STRATEGIES = ("keep", "tba-none", "tba-host", "tba-ssd", "torch-offload", "eager-keep",
+              "eager-none", "eager-host", "eager-ssd")
+DEFAULT_STRATEGIES = STRATEGIES[:7]
 
 
 @dataclass
@@ -79,7 +88,8 @@ class Runner:
     cache: tba.TensorCache | None = None
     patches: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     times: list[float] = field(default_factory=list)
-    peak_bytes: int = 0
+    peak_bytes: int = 0  # the median of the measured steps' (``peaks``)
+    peaks: list[int] = field(default_factory=list)
     peak_cuda_bytes: int | None = None
     counted_peak_bytes: int | None = None  # the cache's own count (stats().peak_resident_bytes)
     status: str = "ok"
@@ -90,13 +100,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma-separated, from {', '.join(STRATEGIES)}")
+    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                   help=f"comma-separated, from {', '.join(STRATEGIES)} (default: "
+                        f"{', '.join(DEFAULT_STRATEGIES)})")
     p.add_argument("--inner", choices=tba.compile.INNER_COMPILERS, default="inductor",
                    help="the compiler under every strategy (keep's backend, tba's options['inner'])")
     p.add_argument("--steps", type=int, default=4, help="timed steps per strategy and round")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
+    p.add_argument("--peak-steps", type=int, default=3,
+                   help="steps whose activation peak is measured after the timed ones (median reported)")
     p.add_argument("--min-offload-bytes", type=int,
                    help="default as the ROK sweep: 64 KiB on CPU, 1 MiB on CUDA, 16 KiB with --quick")
     p.add_argument("--ssd-dir", help="directory for tba-ssd (default: TBA_SSD_DIR or a temp dir)")
@@ -112,6 +125,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: torch.cuda.is_available() is False")
     if args.quick:
         args.steps, args.repeats, args.warmup = min(args.steps, 2), min(args.repeats, 2), min(args.warmup, 2)
+        args.peak_steps = min(args.peak_steps, 1)
+    if args.peak_steps < 1:
+        p.error("--peak-steps: at least 1")
     return args
 
 
@@ -155,19 +171,24 @@ def _build(name: str, args: argparse.Namespace, spec: dict[str, Any], ssd_dir: s
     # transformers warns (logging: a graph break under Dynamo) when loss_type is unset.
     model.loss_type = "ForCausalLM"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if name.startswith("tba-"):
+    kind, _, offloader = name.partition("-")
+    if kind in ("tba", "eager") and offloader != "keep":
         min_bytes = args.min_offload_bytes
         if min_bytes is None:
             min_bytes = 16 << 10 if args.quick else 1 << 20 if args.device == "cuda" else 64 << 10
         options: dict[str, Any] = dict(
-            offloader=name[len("tba-"):], offload_devices=(args.device,), min_offload_bytes=min_bytes,
+            offloader=offloader, offload_devices=(args.device,), min_offload_bytes=min_bytes,
             keep_last_modules=1, adaptive=False,
         )
-        if name == "tba-ssd":
+        if offloader == "ssd":
             options.update(ssd_dirs=(ssd_dir,))
         cache = tba.configure_tensor_cache(model, **options)
+        if kind == "eager":
+            return Runner(name, model, model, optimizer, cache)
         compiled = torch.compile(model, backend="tba", fullgraph=True, options={"inner": args.inner})
         return Runner(name, model, compiled, optimizer, cache)
+    if name == "eager-keep":
+        return Runner(name, model, model, optimizer)
     if name == "torch-offload" and args.inner != "inductor":
         runner = Runner(name, model, model, optimizer)
         runner.status = "not run: PyTorch's pass is Inductor's partitioner's (--inner inductor)"
@@ -192,20 +213,31 @@ def _step(runner: Runner, ids: torch.Tensor, cuda: bool) -> float:
     return time.perf_counter() - start
 
 
-def _measure_peak(runner: Runner, ids: torch.Tensor, device: str) -> None:
-    meter = SavedActivationMeter(runner.model, device)
+def _measure_peak(runner: Runner, ids: torch.Tensor, device: str, steps: int) -> None:
+    """The peaks of ``steps`` more steps, each measured alone; the median is reported (where
+    store threads race the forward, one step's peak varies by 2x from step to step: compiled
+    host offload on 2 CPU cores measured 9-20 MiB), the spread kept in the JSON."""
+    peaks, counted, allocated = [], [], []
     cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    with meter.measuring(), tba.compile.watch(meter.observe):
-        _step(runner, ids, cuda)
-    runner.peak_bytes = meter.peak_bytes
-    if runner.cache is not None:
-        runner.counted_peak_bytes = runner.cache.stats().peak_resident_bytes
-    if cuda:
-        runner.peak_cuda_bytes = torch.cuda.max_memory_allocated() - base
+    for _ in range(steps):
+        meter = SavedActivationMeter(runner.model, device)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        with meter.measuring(), tba.compile.watch(meter.observe):
+            _step(runner, ids, cuda)
+        peaks.append(meter.peak_bytes)
+        if runner.cache is not None:
+            counted.append(runner.cache.stats().peak_resident_bytes)
+        if cuda:
+            allocated.append(torch.cuda.max_memory_allocated() - base)
+    runner.peaks = peaks
+    runner.peak_bytes = int(statistics.median(peaks))
+    if counted:
+        runner.counted_peak_bytes = int(statistics.median(counted))
+    if allocated:
+        runner.peak_cuda_bytes = int(statistics.median(allocated))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -231,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for runner in live:
                 runner.times.extend(_step(runner, ids, cuda) for _ in range(args.steps))
         for runner in live:
-            _measure_peak(runner, ids, args.device)
+            _measure_peak(runner, ids, args.device, args.peak_steps)
         result = _report(runners, args, spec)
         for runner in runners:
             if runner.cache is not None:
@@ -240,13 +272,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _report(runners: list[Runner], args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
-    keep = next((r for r in runners if r.name == "keep" and r.status == "ok"), None)
+    baselines = {r.name: r for r in runners if r.name in ("keep", "eager-keep") and r.status == "ok"}
     rows: dict[str, Any] = {}
     for r in runners:
+        keep = baselines.get("eager-keep" if r.name.startswith("eager-") else "keep")
         row: dict[str, Any] = {"status": r.status}
         if r.status == "ok":
             step_s = statistics.median(r.times)
-            row.update(step_s=step_s, peak_bytes=r.peak_bytes, steps_timed=len(r.times))
+            row.update(step_s=step_s, peak_bytes=r.peak_bytes, peaks_bytes=r.peaks,
+                       steps_timed=len(r.times))
             if r.peak_cuda_bytes is not None:
                 row["peak_cuda_allocated_bytes"] = r.peak_cuda_bytes
             if r.counted_peak_bytes is not None:
@@ -284,6 +318,9 @@ def _table(result: dict[str, Any]) -> str:
             f"{_mib(row.get('counted_peak_bytes')):>17}{_mib(row.get('peak_cuda_allocated_bytes')):>15}"
             f"{(offloaded or 0) / 2**20:>20.2f}  ok"
         )
+    if any(name.startswith("eager-") for name in result["strategies"]):
+        lines.append("x keep: eager-* rows against eager-keep (no torch.compile), the others "
+                     "against keep (compiled)")
     return "\n".join(lines) + "\n"
 
 

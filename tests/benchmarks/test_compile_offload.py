@@ -15,12 +15,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # a subprocess that imports transformers and compiles two strategies
+@pytest.mark.slow  # a subprocess that imports transformers and compiles three strategies
 def test_compile_offload_smoke(tmp_path: Path) -> None:
     out = tmp_path / "co.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "compile_offload.py"), "--quick", "--inner",
-         "aot_eager", "--strategies", "keep,tba-host,torch-offload", "--ssd-dir", str(tmp_path),
+         "aot_eager", "--strategies", "keep,tba-host,torch-offload,eager-keep,eager-host", "--ssd-dir", str(tmp_path),
          "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -32,6 +32,10 @@ def test_compile_offload_smoke(tmp_path: Path) -> None:
     host = rows["tba-host"]
     assert host["status"] == "ok" and host["offloaded_bytes_per_step"] > 0, host
     assert host["peak_bytes"] > 0 and host["peak_ratio"] > 0 and host["step_time_ratio"] > 0
+    eager = rows["eager-host"]  # against eager-keep, not against the compiled keep
+    assert rows["eager-keep"]["step_time_ratio"] == 1.0
+    assert eager["offloaded_bytes_per_step"] > 0 and eager["step_time_ratio"] == (
+        eager["step_s"] / rows["eager-keep"]["step_s"])
     assert rows["torch-offload"]["status"].startswith("not run: PyTorch's pass is Inductor's")
     assert "torch" in result["environment"] and "command" in result["environment"]
     assert out.with_suffix(".txt").read_text().startswith("device=")

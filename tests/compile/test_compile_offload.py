@@ -135,3 +135,40 @@ def test_dynamic_true_bit_exact() -> None:
     run = train("fused_attention", "aot_eager", dict(offloader="host"), dynamic=True)
     assert_same_training(reference, run)
     assert run.stats.offloaded_bytes > 0 and run.stats.reloaded_bytes > 0
+
+
+def test_a_units_small_stores_leave_its_batch_when_the_next_unit_begins() -> None:
+    """Note [Small transfers in batches]: small CPU stores wait in the engine's pending batch
+    until the unit that saved them ends, then go together; in eager mode the unit's post-hook
+    stores the batch. Under backend="tba" the store that enters the next unit does: no entry of
+    an earlier unit still waits in the batch when a store of a later unit saves (before, the
+    batch waited for 1 MiB or the forward's end, holding the memory)."""
+    import tba
+
+    model = models.gpt2(3)
+    model.loss_type = "ForCausalLM"
+    cache = tba.configure_tensor_cache(
+        model, offloader="host", offload_devices=("cpu",), min_offload_bytes=0,
+        keep_last_modules=0, adaptive=False)
+    compiled = torch.compile(model, backend="tba", fullgraph=True, options={"inner": "aot_eager"})
+    engine, tracker = cache._engine, cache._saved.tracker
+    stale: list[tuple[Any, Any]] = []
+    scopes: list[Any] = []
+
+    def observe(tensor: torch.Tensor, kind: str) -> None:
+        if kind == "saved":
+            scope = tracker.local.forward.scope()
+            if not scopes or scopes[-1] is not scope:
+                scopes.append(scope)
+            stale.extend((entry.scope, scope) for entry in engine._batch if entry.scope is not scope)
+
+    try:
+        for seed in range(2):
+            with tba.compile.watch(observe):
+                compiled(**models.lm_batch(seed)).loss.backward()
+        stats = cache.stats(cumulative=True)
+    finally:
+        cache.close()
+    assert len(scopes) >= 6, "the stores saw fewer units than the model's blocks"
+    assert stats.offloaded_bytes > 0 and stats.reloaded_bytes > 0, stats
+    assert not stale, f"{len(stale)} saves found an earlier unit's entries waiting in the batch"

@@ -8,7 +8,8 @@ the compiled forward and open and close its record (``CacheHooks.open_forward`` 
 one forward (the model's own graph breaks make several) saves into one record. Where the
 configured model's hooks were traced instead (a module around it was compiled), the first
 store of a graph opens the forward and its last store closes it. Each store enters its
-group's unit (``enter_unit``, as a unit's pre-hook does) and hands the tensors to the engine
+group's unit (``enter_unit``, as a unit's pre-hook does; leaving the unit before stores its
+pending batch and wakes the store threads, ``engine.flush``, as its post-hook does) and hands the tensors to the engine
 as the pack hook would have (dedup, parameters, the policy's keep or offload: ``save_group``). Reload ops hand the packed values to
 ``SavedTensors.unpack``: fetch, stall accounting, the end-of-backward callback that ends the
 step, every error. So the compiled path shares the engine, offloaders, accounting, stats,
@@ -187,6 +188,9 @@ class CompiledForwards:
         hooks = self._live_hooks()
         if isinstance(run.unit, Unit):
             hooks.exit_unit(run.unit)
+            # What a unit's post-hook does in eager mode: its pending batch stored, the
+            # workers woken for its stores (Note [Small transfers in batches]).
+            self.saved.engine.flush()
         if unit is not None:
             hooks.enter_unit(unit)
         run.unit = unit
