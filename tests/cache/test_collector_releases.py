@@ -52,16 +52,37 @@ def test_handles_collected_under_a_lock_are_released_later(
     model = models.Stack(num_blocks=3)
     reference = models.Stack(num_blocks=3)
     reference.load_state_dict(model.state_dict())
+    from tba.cache.engine.core import Engine
+
     collected: list[int] = []
     armed: list = []  # holds the cache's probe once the cycle exists
     queued_inside: list[int] = []
+    # The releases other threads drained while the collecting thread was in collect_once (the
+    # training thread may drain at any entry point while a store thread collects in the host
+    # pool's lock), and whether the collecting thread drained any there itself.
+    window: dict[str, object] = {"thread": None, "by_others": 0, "by_itself": False}
+    real_drain = Engine._drain_locked
+
+    def drain(self) -> None:
+        if window["thread"] is not None:
+            if window["thread"] == threading.get_ident():
+                window["by_itself"] = True
+            else:
+                window["by_others"] = int(window["by_others"]) + len(self.released)  # type: ignore[call-overload]
+        real_drain(self)
+
+    monkeypatch.setattr(Engine, "_drain_locked", drain)
 
     def collect_once() -> None:
         if armed and not collected:
-            collected.append(gc.collect())
-            # Still inside the lock: the collected handles' releases are queued, not run here
-            # (re-entering the engine in the middle of a critical section).
-            queued_inside.append(armed[0].num_released_pending)
+            window["thread"] = threading.get_ident()
+            try:
+                collected.append(gc.collect())
+                # Still inside the lock: the collected handles' releases are queued, not run
+                # here (re-entering the engine in the middle of a critical section).
+                queued_inside.append(armed[0].num_released_pending + int(window["by_others"]))  # type: ignore[call-overload]
+            finally:
+                window["thread"] = None
 
     if where == "offloader":  # inside the host pool's lock (taking an extent for a store)
         from tba.offloaders.host import HostOffloader
@@ -102,6 +123,7 @@ def test_handles_collected_under_a_lock_are_released_later(
             gc.enable()
         assert collected and collected[0] > 0, "the planted collection found no cycle"
         assert queued_inside and queued_inside[0] > 0, "releases ran inside the lock"
+        assert not window["by_itself"], "the collecting thread drained releases inside the lock"
         assert view.num_entries == 0  # every queued release was done, the cycle's entries too
         assert view.num_released_pending == 0
         assert not view.check_invariants()
