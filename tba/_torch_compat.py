@@ -57,33 +57,21 @@ def view_on_storage(
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
 
-def _empty_strided_makers() -> dict[str, Callable[..., torch.Tensor]]:
-    guards = getattr(torch._C, "_dynamo", None)
-    guards = getattr(guards, "guards", None)
-    makers = {}
-    for device in ("cpu", "cuda"):
-        maker = getattr(guards, f"_empty_strided_{device}", None)
-        if maker is not None:
-            makers[device] = maker
-    return makers
-
-
-# Inductor's wrapper code allocates its buffers with these (no dispatcher, no argument
+# Inductor's wrapper code allocates its CPU buffers with this (no dispatcher, no argument
 # parsing: a third of ``torch.empty_strided``'s cost); tba's compiled ops make their outputs
-# with them on every call.
-_EMPTY_STRIDED = _empty_strided_makers()
+# with it on every call. Its CUDA sibling allocates on the current device, not a given one, so
+# CUDA tensors take ``torch.empty_strided``.
+_EMPTY_STRIDED_CPU: Callable[..., torch.Tensor] | None = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "guards", None), "_empty_strided_cpu", None)
 
 
 def new_empty(size: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor of the given geometry; real tensors only (never under a fake
-    mode: the fast makers bypass the dispatcher)."""
-    maker = _EMPTY_STRIDED.get(device.type)
-    if maker is None:
-        return torch.empty_strided(size, stride, dtype=dtype, device=device)
-    if device.type == "cuda":
-        return maker(size, stride, dtype, device.index)
-    return maker(size, stride, dtype)
+    """An uninitialised tensor of the given geometry on ``device``; real tensors only (never
+    under a fake mode: the CPU maker bypasses the dispatcher)."""
+    if device.type == "cpu" and _EMPTY_STRIDED_CPU is not None:
+        return _EMPTY_STRIDED_CPU(size, stride, dtype)
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tba import _torch_compat as compat
@@ -37,3 +38,12 @@ def test_functorch_detection() -> None:
     assert seen == [(True, True)]
     assert not compat.in_functorch_transform()
     assert not compat.is_functorch_wrapped(torch.randn(3))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_new_empty_makes_the_geometry_asked_on_the_device_asked(device: str) -> None:
+    """CPU through Inductor's allocator, other devices (CUDA: its allocator takes no device)
+    through torch.empty_strided."""
+    made = compat.new_empty((2, 3, 4), (12, 1, 3), torch.float16, torch.device(device))
+    assert made.shape == (2, 3, 4) and made.stride() == (12, 1, 3)
+    assert made.dtype is torch.float16 and made.device.type == device

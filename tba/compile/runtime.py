@@ -170,17 +170,14 @@ class _Run(threading.local):
 _run = _Run()
 
 
-def carrier(tensor: torch.Tensor) -> torch.Tensor:
+def carrier(tensor: torch.Tensor, real: bool = False) -> torch.Tensor:
     """A zero-element tensor whose shape is ``tensor``'s size and stride, with zero strides
-    (Note [Keys and shape carriers])."""
+    (Note [Keys and shape carriers]); ``real``: made for a graph that runs (never under a fake
+    mode), by the allocator Inductor's own code uses."""
     dims = (0, *tensor.shape, *tensor.stride())
+    if real:
+        return compat.new_empty(dims, (0,) * len(dims), tensor.dtype, tensor.device)
     return torch.empty_strided(dims, (0,) * len(dims), dtype=tensor.dtype, device=tensor.device)
-
-
-def _carrier(tensor: torch.Tensor) -> torch.Tensor:
-    """``carrier`` for a real tensor (when a graph runs; never under a fake mode)."""
-    dims = (0, *tensor.shape, *tensor.stride())
-    return compat.new_empty(dims, (0,) * len(dims), tensor.dtype, tensor.device)
 
 
 def geometry(shape: torch.Tensor, ndim: int) -> tuple[list[Any], list[Any]]:
@@ -219,7 +216,7 @@ def store(tensors: list[torch.Tensor], index: int, graph_id: int, module: str | 
     if last:
         run.graph, run.seam, run.stored = -1, None, None
         seam.end()
-    return [key, *[_carrier(tensor) for tensor in tensors]]
+    return [key, *[carrier(tensor, real=True) for tensor in tensors]]
 
 
 def _check_stored_once(stored: dict[int, int], packed: list[Any], index: int) -> None:
