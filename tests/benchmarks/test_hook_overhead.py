@@ -1,4 +1,5 @@
-"""Smoke test: the hook-overhead benchmark runs at a tiny size and writes sane JSON and text."""
+"""Smoke test: the hook-overhead benchmark runs at a tiny size and writes sane JSON and text (its
+real-model part: test_hook_overhead_real.py, in the slow suite)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,30 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_hook_overhead_smoke(tmp_path: Path) -> None:
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
     out = tmp_path / "ho.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "hook_overhead.py"), "--blocks", "2",
-         "--ops", "20", "--rounds", "2", "--warmup", "3", "--large-ops", "1", "--real-batches", "1", "--real-rounds", "1", "--real-warmup", "1",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,  # ~10 s quiet, ~25 s at load 6
+        [sys.executable, str(ROOT / "benchmarks" / "hook_overhead.py"), *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert "torch" in result["environment"] and "command" in result["environment"]
+    assert out.with_suffix(".txt").read_text().startswith("device=")
+    return proc, result
+
+
+def test_hook_overhead_smoke(tmp_path: Path) -> None:
+    """The tiny-op models, without the real model (transformers' import alone is most of the
+    real model's time: this one runs in about 2 s quiet, so under load too)."""
+    proc, result = _run(tmp_path, "--blocks", "2", "--ops", "20", "--rounds", "2", "--warmup", "3",
+                        "--large-ops", "1", "--real-batches", "")
+    assert "real" not in result
     # sin saves its input and mul saves sin(x) (the weight is a parameter, not packed); the
     # very first sin reads an input that needs no grad and saves nothing.
     assert result["tiny"]["_counts"]["num_packed_per_step"] == 2 * 20 * 2 - 1
@@ -46,11 +55,4 @@ def test_hook_overhead_smoke(tmp_path: Path) -> None:
             # and read back.
             assert row["settled_offloaded_bytes"] == row["settled_reloaded_bytes"] == packed * tensor_bytes, (
                 size, name, row)
-    real = result["real"]["1"]
-    for name in ("plain", "save_on_cpu", "tba none", "tba host"):
-        assert real[name]["step_s"] > 0 and real[name]["x_plain"] > 0
-    assert real["tba none"]["packed_per_step"] > 0  # tba manages the GPT-2's saves
-    assert "real model: GPT-2" in proc.stdout
-    assert "torch" in result["environment"] and "command" in result["environment"]
     assert "x save_on_cpu" in proc.stdout and "x bare hooks" in proc.stdout
-    assert out.with_suffix(".txt").read_text().startswith("device=")
